@@ -1,0 +1,19 @@
+"""RECAP: lossless, training-free speculative decoding for VLMs and LMs on transformers.
+
+Quick start::
+
+    import recap
+    target = recap.load("smollm2-135m")
+    result = recap.generate(target, "Name three colours.", method="decoy")
+    print(result.text, result.tau)
+"""
+
+from recap.decoding import GenerationResult, decode, generate
+from recap.errors import InputError, RecapError
+from recap.models import load
+from recap.proposers import PROPOSERS, Proposer, make_proposer
+from recap.target import TargetModel, wrap
+
+__all__ = ["PROPOSERS", "GenerationResult", "InputError", "Proposer", "RecapError", "TargetModel", "decode",
+           "generate", "load", "make_proposer", "wrap"]
+__version__ = "0.1.0"

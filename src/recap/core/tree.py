@@ -1,0 +1,147 @@
+"""The draft tree: what a proposer hands to the target for one verification.
+
+Pure numpy, no torch. Nodes are stored as flat arrays so the target can pack them into one
+forward pass without walking Python objects. The root (the last committed token, whose KV
+entry is not cached yet) is implicit: it is packed at position 0, node ``i`` at ``i + 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+ROOT = -1
+"""Parent index meaning "child of the root"."""
+
+
+class DraftTree:
+    """Draft tokens after the root, with parents before children.
+
+    ``tokens[i]`` is node i's token, ``parents[i]`` its parent (``ROOT`` or an earlier node),
+    ``depths[i]`` its distance from the root (1 for the root's children).
+    """
+
+    __slots__ = ("tokens", "parents", "depths", "_children")
+
+    def __init__(self, tokens: Sequence[int] | np.ndarray, parents: Sequence[int] | np.ndarray):
+        self.tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        self.parents = np.asarray(parents, dtype=np.int64).reshape(-1)
+        n = len(self.tokens)
+        if len(self.parents) != n:
+            raise ValueError(f"{n} tokens but {len(self.parents)} parents")
+        if n and (np.any(self.parents < ROOT) or np.any(self.parents >= np.arange(n))):
+            raise ValueError("every parent must be ROOT (-1) or an earlier node")
+        depths = np.ones(n, dtype=np.int64)
+        for i, parent in enumerate(self.parents.tolist()):
+            if parent != ROOT:
+                depths[i] = depths[parent] + 1
+        self.depths = depths
+        self._children: list[dict[int, int]] | None = None
+
+    @classmethod
+    def empty(cls) -> DraftTree:
+        """No draft at all: verification degenerates to one autoregressive step."""
+        return cls(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+
+    @classmethod
+    def from_paths(cls, paths: Iterable[Sequence[int]]) -> DraftTree:
+        """Merge token paths from the root into a trie (shared prefixes become shared nodes)."""
+        builder = TreeBuilder()
+        for path in paths:
+            builder.add_path(ROOT, path)
+        return builder.build()
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __repr__(self) -> str:
+        return f"DraftTree(n={len(self)}, depth={self.max_depth})"
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depths.max()) if len(self) else 0
+
+    def children(self) -> list[dict[int, int]]:
+        """For each packed position (root = 0), a map token -> child node index."""
+        if self._children is None:
+            children: list[dict[int, int]] = [{} for _ in range(len(self) + 1)]
+            for i, (token, parent) in enumerate(zip(self.tokens.tolist(), self.parents.tolist())):
+                children[parent + 1].setdefault(token, i)
+            self._children = children
+        return self._children
+
+    def ancestor_matrix(self) -> np.ndarray:
+        """Boolean (n+1, n+1) matrix over packed positions: [a, b] is True when b is a or an
+        ancestor of a. Row a is exactly what packed position a may attend to in the tree."""
+        n = len(self)
+        allowed = np.zeros((n + 1, n + 1), dtype=bool)
+        allowed[:, 0] = True
+        allowed[np.arange(n + 1), np.arange(n + 1)] = True
+        for i, parent in enumerate(self.parents.tolist()):
+            allowed[i + 1] |= allowed[parent + 1]
+        return allowed
+
+    def accept(self, argmax: Sequence[int] | np.ndarray) -> list[int]:
+        """The greedy acceptance walk.
+
+        ``argmax[p]`` is the target's greedy token after packed position p. Starting at the
+        root, move to the child whose token equals the argmax while there is one. Returns the
+        accepted node indices, root excluded; the bonus token is ``argmax`` at the last one.
+        """
+        children = self.children()
+        path: list[int] = []
+        position = 0
+        while True:
+            child = children[position].get(int(argmax[position]))
+            if child is None:
+                return path
+            path.append(child)
+            position = child + 1
+
+    def path_tokens(self, node: int) -> list[int]:
+        """Tokens from the root's first child down to ``node`` (inclusive)."""
+        tokens = []
+        while node != ROOT:
+            tokens.append(int(self.tokens[node]))
+            node = int(self.parents[node])
+        return tokens[::-1]
+
+
+class TreeBuilder:
+    """Grows a tree node by node; adding an existing (parent, token) child reuses it."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.parents: list[int] = []
+        self.depths: list[int] = []
+        self._index: dict[tuple[int, int], int] = {}
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def find(self, parent: int, token: int) -> int | None:
+        return self._index.get((parent, token))
+
+    def add(self, parent: int, token: int) -> int:
+        """Index of the child ``token`` under ``parent``, created if missing."""
+        key = (parent, int(token))
+        node = self._index.get(key)
+        if node is None:
+            node = len(self.tokens)
+            self.tokens.append(int(token))
+            self.parents.append(parent)
+            self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
+            self._index[key] = node
+        return node
+
+    def add_path(self, parent: int, tokens: Sequence[int]) -> list[int]:
+        """Add a chain under ``parent``, sharing any prefix that already exists."""
+        nodes = []
+        for token in tokens:
+            parent = self.add(parent, token)
+            nodes.append(parent)
+        return nodes
+
+    def build(self) -> DraftTree:
+        return DraftTree(self.tokens, self.parents)

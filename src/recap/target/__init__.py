@@ -1,0 +1,37 @@
+"""Target models: one adapter per model family behind `TargetModel`.
+
+A new family goes in its own module with a `TargetModel` subclass, registered in `FAMILIES`
+by its ``config.model_type``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from recap.errors import InputError
+from recap.target.base import ModelInputs, TargetModel
+from recap.target.vision_language import LlavaTarget, QwenVLTarget
+
+FAMILIES: dict[str, type[TargetModel]] = {
+    "qwen2_vl": QwenVLTarget,
+    "qwen2_5_vl": QwenVLTarget,
+    "llava": LlavaTarget,
+    "llava_next": LlavaTarget,
+}
+"""``config.model_type`` -> adapter. Other decoder-only ``*ForCausalLM`` models use `TargetModel`."""
+
+
+def wrap(model: torch.nn.Module, processor: Any, *, top_k: int = 8) -> TargetModel:
+    """The adapter for an already loaded model and its processor (or tokenizer)."""
+    model_type = getattr(model.config, "model_type", "")
+    if model_type in FAMILIES:
+        return FAMILIES[model_type](model, processor, top_k=top_k)
+    if type(model).__name__.endswith("ForCausalLM") and not getattr(model.config, "is_encoder_decoder", False):
+        return TargetModel(model, processor, top_k=top_k)
+    raise InputError(f"unsupported architecture {type(model).__name__} ({model_type or 'no model_type'}); "
+                     f"supported: decoder-only *ForCausalLM models and {', '.join(sorted(FAMILIES))}")
+
+
+__all__ = ["FAMILIES", "LlavaTarget", "ModelInputs", "QwenVLTarget", "TargetModel", "wrap"]

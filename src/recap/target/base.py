@@ -1,0 +1,207 @@
+"""`TargetModel`: one interface over unmodified Hugging Face models.
+
+prefill(inputs) -> Top-K rows at every prompt position and the first greedy token;
+verify(root, tree) -> one packed forward, Top-K row and argmax at every node;
+commit(accepted) -> KV compaction. Family adapters (plain LMs, Qwen-VL, LLaVA) only say how
+to turn a prompt and an image into model inputs and how positions are offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import DynamicCache, GenerationConfig
+
+from recap.core import DraftTree, PromptRows, VerifiedTree
+from recap.errors import InputError
+from recap.target.attention import compact_cache, tree_attention_mask, tree_positions
+
+Message = dict[str, Any]
+
+
+@dataclass
+class ModelInputs:
+    """Everything prefill needs for one request, as the model's forward takes it."""
+
+    input_ids: torch.Tensor
+    """(1, P) prompt token ids."""
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Further forward arguments (attention_mask, pixel_values, image_grid_thw, ...)."""
+    has_image: bool = False
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.input_ids[0].tolist()
+
+
+class TargetModel:
+    """Base adapter: a decoder-only causal LM. Subclasses override the hooks marked below."""
+
+    family = "causal-lm"
+    accepts_images = False
+
+    def __init__(self, model: torch.nn.Module, processor: Any, *, top_k: int = 8):
+        self.model = model.eval()
+        self.processor = processor
+        self.tokenizer = getattr(processor, "tokenizer", processor)
+        self.top_k = top_k
+        self.text_config = model.config.get_text_config(decoder=True)
+        self.vocab_size = int(self.text_config.vocab_size)
+        self.max_context = int(getattr(self.text_config, "max_position_embeddings", 0) or 1 << 30)
+        self.excluded_tokens = frozenset(self._image_token_ids())
+        self.cache: DynamicCache | None = None
+        self.past_len = 0
+        self.position_offset = 0
+        self._packed = 0
+
+    # ----------------------------------------------------------------- family hooks
+    def _image_token_ids(self) -> list[int]:
+        """Placeholder tokens the vision encoder fills in; never drafted, never seeded."""
+        return []
+
+    def _build_inputs(self, messages: list[Message], image: Image.Image | None) -> ModelInputs:
+        if image is not None:
+            raise InputError(f"{self.name} is a text-only model: it cannot take an image")
+        text = _flatten_text(messages)
+        if getattr(self.tokenizer, "chat_template", None):
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True, return_tensors="pt")["input_ids"]
+        else:
+            ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
+        return ModelInputs(input_ids=ids)
+
+    def _prefill_positions(self, inputs: ModelInputs) -> torch.Tensor:
+        """Position ids for the prompt; sets ``self.position_offset`` for later steps."""
+        self.position_offset = 0
+        return torch.arange(inputs.input_ids.shape[1], device=self.device)[None]
+
+    # ----------------------------------------------------------------- public interface
+    @property
+    def name(self) -> str:
+        return getattr(self.model, "name_or_path", "") or type(self.model).__name__
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            eos = self.tokenizer.eos_token_id
+        if eos is None:
+            return []
+        return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def prepare(self, prompt: str | list[Message], image: Image.Image | None = None) -> ModelInputs:
+        """Turn a prompt (text, or chat messages) and an optional image into model inputs."""
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        if not messages or not _flatten_text(messages).strip():
+            raise InputError("the prompt is empty")
+        inputs = self._build_inputs(messages, image)
+        length = inputs.input_ids.shape[1]
+        if length >= self.max_context:
+            raise InputError(f"the prompt is {length} tokens long; {self.name} takes at most "
+                             f"{self.max_context - 1} before generating")
+        return inputs
+
+    @torch.inference_mode()
+    def prefill(self, inputs: ModelInputs) -> tuple[PromptRows, int]:
+        """Run the prompt, keep its KV cache; return the Top-K rows at every prompt position
+        and the first greedy token (whose KV entry is not cached yet: it is the next root)."""
+        self.cache = DynamicCache()
+        input_ids = inputs.input_ids.to(self.device)
+        extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.extra.items()}
+        positions = self._prefill_positions(inputs)
+        out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True, **extra)
+        self.past_len = input_ids.shape[1]
+        self._packed = 0
+        ids, logits, argmax = self._top_rows(out.logits[0])
+        prompt_ids = inputs.input_ids[0].numpy()
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        eligible = np.array([t not in self.excluded_tokens and t not in special for t in prompt_ids.tolist()],
+                            dtype=bool)
+        rows = PromptRows(ids=prompt_ids, topk_ids=ids, topk_logits=logits, eligible=eligible,
+                          vocab_size=self.vocab_size, excluded_tokens=self.excluded_tokens)
+        return rows, int(argmax[-1])
+
+    @torch.inference_mode()
+    def verify(self, root: int, tree: DraftTree) -> VerifiedTree:
+        """One forward over [root] + tree nodes, each seeing the prefix and its ancestors."""
+        if self.cache is None:
+            raise RuntimeError("verify() before prefill()")
+        n = len(tree) + 1
+        tokens = np.empty(n, dtype=np.int64)
+        tokens[0] = root
+        tokens[1:] = tree.tokens
+        depths = np.zeros(n, dtype=np.int64)
+        depths[1:] = tree.depths
+        out = self.model(
+            input_ids=torch.from_numpy(tokens).to(self.device)[None],
+            position_ids=tree_positions(depths, self.past_len, self.position_offset, self.device),
+            attention_mask=tree_attention_mask(tree.ancestor_matrix(), self.past_len, self.dtype, self.device),
+            cache=self.cache,
+            use_cache=True,
+        )
+        self._packed = n
+        ids, logits, argmax = self._top_rows(out.logits[0])
+        return VerifiedTree(tree=tree, topk_ids=ids, topk_logits=logits, argmax=argmax,
+                            accepted=tree.accept(argmax))
+
+    @torch.inference_mode()
+    def commit(self, accepted: Sequence[int]) -> None:
+        """Keep the root's and the accepted nodes' KV entries, drop the rest."""
+        keep = [0] + [i + 1 for i in accepted]
+        compact_cache(self.cache, self.past_len, keep, self._packed)
+        self.past_len += len(keep)
+        self._packed = 0
+
+    def release(self) -> None:
+        """Free the request's KV cache."""
+        self.cache = None
+
+    def _top_rows(self, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Top-K ids/logits and the argmax per row, computed on the device and moved to the
+        host in a single transfer (ids are exact in float64)."""
+        values, ids = torch.topk(logits, self.top_k, dim=-1)
+        argmax = logits.argmax(dim=-1, keepdim=True)
+        packed = torch.cat([ids.double(), values.double(), argmax.double()], dim=1).cpu().numpy()
+        k = self.top_k
+        return packed[:, :k].astype(np.int64), packed[:, k : 2 * k].astype(np.float32), \
+            packed[:, 2 * k].astype(np.int64)
+
+    @torch.inference_mode()
+    def reference_generate(self, inputs: ModelInputs, max_new_tokens: int,
+                           eos_token_ids: Sequence[int] | None = None) -> list[int]:
+        """Plain greedy ``model.generate(do_sample=False)``: the output RECAP must reproduce.
+
+        A clean greedy config is used so that sampling-oriented defaults a checkpoint may
+        carry (repetition penalty, top-k...) do not apply: RECAP reproduces argmax decoding.
+        """
+        eos = list(self.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos or None,
+                                  pad_token_id=(eos[0] if eos else 0))
+        kwargs = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.extra.items()}
+        input_ids = inputs.input_ids.to(self.device)
+        out = self.model.generate(input_ids=input_ids, generation_config=config, **kwargs)
+        return out[0, input_ids.shape[1]:].tolist()
+
+
+def _flatten_text(messages: list[Message]) -> str:
+    parts = []
+    for message in messages:
+        content = message.get("content", "")
+        if isinstance(content, str):
+            parts.append(content)
+        else:
+            parts.extend(item.get("text", "") for item in content if isinstance(item, dict))
+    return " ".join(parts)

@@ -1,0 +1,74 @@
+"""Adapters for the two vision-language families: Qwen2-VL / Qwen2.5-VL and LLaVA(-NeXT).
+
+Both only change how a prompt and an image become model inputs, which tokens are image
+placeholders, and (Qwen) the position offset. Verification itself is shared.
+"""
+
+from __future__ import annotations
+
+import torch
+from PIL import Image
+
+from recap.target.base import Message, ModelInputs, TargetModel
+
+
+def with_image(messages: list[Message], image: Image.Image | None) -> list[Message]:
+    """Chat messages in the processor's content-list form, the image in the first user turn."""
+    out: list[Message] = []
+    placed = image is None
+    for message in messages:
+        content = message.get("content", "")
+        items = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+        if not placed and message.get("role") == "user":
+            items = [{"type": "image"}, *items]
+            placed = True
+        out.append({**message, "content": items})
+    return out
+
+
+class _VisionLanguageTarget(TargetModel):
+    accepts_images = True
+
+    def _build_inputs(self, messages: list[Message], image: Image.Image | None) -> ModelInputs:
+        text = self.processor.apply_chat_template(with_image(messages, image), add_generation_prompt=True,
+                                                  tokenize=False)
+        encoded = self.processor(text=[text], images=[image] if image is not None else None, return_tensors="pt")
+        encoded = dict(encoded)
+        input_ids = encoded.pop("input_ids")
+        return ModelInputs(input_ids=input_ids, extra=encoded, has_image=image is not None)
+
+
+class QwenVLTarget(_VisionLanguageTarget):
+    """Qwen2-VL and Qwen2.5-VL: 3-D M-RoPE positions.
+
+    Prefill positions come from the model's own ``get_rope_index``; every later token is
+    text, so its three M-RoPE coordinates are equal: cached length + depth + the rope delta
+    computed at prefill (kept here, since ``generate()`` overwrites the model's copy).
+    """
+
+    family = "qwen-vl"
+
+    def _image_token_ids(self) -> list[int]:
+        config = self.model.config
+        names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+        return [int(getattr(config, n)) for n in names if getattr(config, n, None) is not None]
+
+    def _prefill_positions(self, inputs: ModelInputs) -> torch.Tensor:
+        extra = inputs.extra
+        if extra.get("image_grid_thw") is None:
+            return super()._prefill_positions(inputs)
+        positions, deltas = self.model.model.get_rope_index(
+            inputs.input_ids, mm_token_type_ids=extra["mm_token_type_ids"], image_grid_thw=extra["image_grid_thw"],
+            attention_mask=extra.get("attention_mask"))
+        self.position_offset = int(deltas.reshape(-1)[0])
+        return positions.to(self.device)
+
+
+class LlavaTarget(_VisionLanguageTarget):
+    """LLaVA-1.5 and LLaVA-NeXT: the processor expands ``<image>`` into one placeholder per
+    image feature, so positions are a plain arange."""
+
+    family = "llava"
+
+    def _image_token_ids(self) -> list[int]:
+        return [int(self.model.config.image_token_id)]
