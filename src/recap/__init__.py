@@ -4,7 +4,7 @@ Quick start::
 
     import recap
     target = recap.load("smollm2-135m")
-    result = recap.generate(target, "Name three colours.", method="decoy")
+    result = recap.generate(target, "Name three colours.", method="pld")
     print(result.text, result.tau)
 """
 

@@ -29,6 +29,7 @@ class CheckCase:
     output: list[int]
     tau: float
     cut_inside_path: bool
+    stop_reason: str
 
     @property
     def passed(self) -> bool:
@@ -99,7 +100,7 @@ def run_check(target: TargetModel, method: str | Proposer, *, prompts: int = 30,
         result = decode(target, proposer, inputs, max_new_tokens=limit, eos_token_ids=eos)
         case = CheckCase(index=index, prompt=prompt, has_image=image is not None, max_new_tokens=limit,
                          eos_token_ids=list(eos), reference=reference, output=result.tokens, tau=result.tau,
-                         cut_inside_path=result.cut_inside_path)
+                         cut_inside_path=result.cut_inside_path, stop_reason=result.stop_reason)
         cases.append(case)
         if on_case is not None:
             on_case(case)

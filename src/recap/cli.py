@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 import torch
 
@@ -33,13 +34,20 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help=f"built-in name ({', '.join(BUILTIN)}) or a local Hugging Face model folder")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--max-new-tokens", type=_positive, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--top-k", type=_positive, default=8, help="Top-K row size reported to proposers")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors on one line with exit status 2, like every other input error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="recap", description="Lossless speculative decoding for VLMs and LMs.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="recap", description="Lossless speculative decoding for VLMs and LMs.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     generate = commands.add_parser("generate", help="generate a reply to one prompt")
     _common(generate)
@@ -62,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--method", choices=list(PROPOSERS), default="pld")
     demo.add_argument("--dtype", choices=list(DTYPES), default="float32")
     demo.add_argument("--threads", type=_positive, default=1)
-    demo.add_argument("--max-new-tokens", type=_positive, default=64)
+    demo.add_argument("--max-new-tokens", type=int, default=64)
     return parser
 
 
@@ -71,6 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:
+        if args.max_new_tokens is not None and args.max_new_tokens < 1:
+            raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
         if args.command == "generate":
             return _generate(args)
         if args.command == "check":

@@ -76,6 +76,25 @@ def _load_folder(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any
     except (OSError, ValueError) as error:
         raise InputError(f"{folder} is not a loadable Hugging Face model folder: {_first_line(error)}") from None
     model_type = config.model_type
+    with _quiet_loading():
+        return _load_model_and_processor(folder, model_type, dtype)
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """No per-tensor progress bars for loads that take a fraction of a second."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _load_model_and_processor(folder: Path, model_type: str, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
     if model_type in FAMILIES:
         model = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype)
         processor = _vision_processor(folder, model_type)
@@ -96,7 +115,7 @@ def _vision_processor(folder: Path, model_type: str) -> Any:
     if model_type not in ("qwen2_vl", "qwen2_5_vl"):
         return AutoProcessor.from_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    image_processor = AutoImageProcessor.from_pretrained(folder, use_fast=False)
+    image_processor = AutoImageProcessor.from_pretrained(folder, backend="pil")
     template_file = folder / "chat_template.jinja"
     template = template_file.read_text() if template_file.exists() else tokenizer.chat_template
     return image_only_qwen_processor(model_type)(image_processor, tokenizer, chat_template=template)

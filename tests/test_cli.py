@@ -1,0 +1,38 @@
+"""The CLI's happy paths on the tiny models."""
+
+import json
+
+from PIL import Image
+
+from recap.cli import main
+
+
+def test_generate_json_reports_tokens_and_timings(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "Say something.", "--method", "pld",
+                 "--max-new-tokens", "12", "--json", "--threads", "1"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert len(result["tokens"]) == 12 and result["method"] == "pld" and result["threads"] == 1
+    assert result["iterations"] >= 1 and result["tau"] >= 1.0
+    assert set(result["timings"]) == {"prefill_s", "propose_s", "verify_s", "observe_s", "total_s"}
+
+
+def test_generate_with_image_prints_text(capsys, tmp_path):
+    path = tmp_path / "scene.png"
+    Image.new("RGB", (50, 70), "blue").save(path)
+    assert main(["generate", "--model", "tiny-llava-next", "--prompt", "What is this?", "--image", str(path),
+                 "--max-new-tokens", "5"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_check_prints_the_final_tally(capsys):
+    assert main(["check", "--model", "tiny-qwen2.5-vl", "--method", "decoy", "--prompts", "4",
+                 "--max-new-tokens", "16", "--vary"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "4 passed, 0 failed"
+
+
+def test_check_in_bfloat16_reports_agreement(capsys):
+    assert main(["check", "--model", "tiny-llama", "--method", "decoy", "--prompts", "3", "--max-new-tokens", "12",
+                 "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "agreement rate" in out and "of tokens" in out

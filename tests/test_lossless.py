@@ -1,0 +1,137 @@
+"""End to end, float32: every drafter's output equals model.generate(do_sample=False).
+
+Also the negative controls: deliberately broken verifiers must be caught by the same check.
+"""
+
+import numpy as np
+import pytest
+
+import recap.target.base as target_base
+from recap.check import run_check
+from recap.core import ROOT, VerifiedTree
+from recap.proposers import DecoyDrafter, make_proposer
+from recap.target import QwenVLTarget
+
+
+class RecordingDecoy(DecoyDrafter):
+    """The decoy drafter, remembering what the accepted paths looked like."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.steps = 0
+        self.deep_trees = 0
+        self.off_first_branch = 0
+        self.max_nodes_seen = 0
+
+    def observe(self, step: VerifiedTree) -> None:
+        tree = step.tree
+        self.steps += 1
+        self.max_nodes_seen = max(self.max_nodes_seen, len(tree) + 1)
+        self.deep_trees += tree.max_depth >= 5
+        for node in step.accepted:
+            siblings = [i for i in range(len(tree)) if tree.parents[i] == tree.parents[node]]
+            self.off_first_branch += siblings[0] != node
+
+
+def _assert_all_passed(report):
+    failures = [(case.index, case.first_difference) for case in report.cases if not case.passed]
+    assert not failures, f"{len(failures)} mismatches (case, first differing token): {failures}"
+
+
+def test_decoy_trees_are_lossless_on_tiny_architectures(tiny_target):
+    drafter = RecordingDecoy(seed=3)
+    report = run_check(tiny_target, drafter, prompts=30, max_new_tokens=40, vary=True, seed=1)
+    _assert_all_passed(report)
+    cases = report.cases
+    assert len(cases) == 30
+    if tiny_target.accepts_images:
+        assert sum(case.has_image for case in cases) >= 20 and not all(case.has_image for case in cases)
+    # The check must have exercised what it claims to.
+    assert report.tau > 2.0
+    assert drafter.off_first_branch > 10 and drafter.deep_trees > 10
+    assert drafter.max_nodes_seen > 50
+    # EOS and the token limit both landed inside accepted paths (tokens after them dropped).
+    assert sum(case.cut_inside_path and case.stop_reason == "eos" for case in cases) >= 2
+    assert sum(case.cut_inside_path and case.stop_reason == "length" for case in cases) >= 2
+
+
+@pytest.mark.parametrize("method", ["ar", "random", "pld"])
+def test_other_drafters_are_lossless_on_tiny_architectures(tiny_target, method):
+    _assert_all_passed(run_check(tiny_target, method, prompts=10, max_new_tokens=32, vary=True, seed=2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["decoy", "pld"])
+def test_lossless_on_real_smollm2(smollm2, method):
+    report = run_check(smollm2, method, prompts=5, max_new_tokens=24, vary=method == "decoy", seed=4)
+    _assert_all_passed(report)
+    if method == "decoy":
+        assert report.tau > 2.0
+
+
+# ----------------------------------------------------------------------------- negative controls
+def test_siblings_seeing_each_other_is_detected(tiny_llama, monkeypatch):
+    """A causal mask over the packed tree lets each node see earlier siblings' branches."""
+    monkeypatch.setattr(target_base, "tree_attention_mask", _leaky(target_base.tree_attention_mask))
+    report = run_check(tiny_llama, DecoyDrafter(seed=5), prompts=8, max_new_tokens=32, seed=5)
+    assert report.failed > 0
+
+
+def _leaky(real_mask):
+    def leaky_mask(allowed, past_len, dtype, device):
+        return real_mask(np.tril(np.ones_like(allowed)), past_len, dtype, device)
+
+    return leaky_mask
+
+
+def test_positions_without_mrope_delta_are_detected(tiny_qwen, monkeypatch):
+    original = QwenVLTarget._prefill_positions
+
+    def without_delta(self, inputs):
+        positions = original(self, inputs)
+        self.position_offset = 0
+        return positions
+
+    monkeypatch.setattr(QwenVLTarget, "_prefill_positions", without_delta)
+    report = run_check(tiny_qwen, DecoyDrafter(seed=6), prompts=8, max_new_tokens=32, seed=6)
+    assert report.failed > 0
+
+
+def test_accepting_the_first_child_is_detected(tiny_llama, monkeypatch):
+    """A verifier that walks into the first child whatever the argmax says."""
+    from recap.core import DraftTree
+
+    def first_child_walk(self, argmax):
+        path, position = [], 0
+        while True:
+            children = [i for i in range(len(self)) if self.parents[i] + 1 == position]
+            if not children:
+                return path
+            path.append(children[0])
+            position = children[0] + 1
+
+    monkeypatch.setattr(DraftTree, "accept", first_child_walk)
+    report = run_check(tiny_llama, DecoyDrafter(seed=7), prompts=6, max_new_tokens=24, seed=7)
+    assert report.failed > 0
+
+
+def test_the_decoy_drafter_hides_the_truth_behind_decoys(tiny_llama):
+    """Sanity of the adversary itself: the true token is often not the first child."""
+    inputs = tiny_llama.prepare("Decoys?")
+    reference = tiny_llama.reference_generate(inputs, 12)
+    drafter = DecoyDrafter(inputs.prompt_ids + reference, seed=0)
+    drafter.begin_request(tiny_llama.prefill(inputs)[0])
+    history = inputs.prompt_ids + reference[:1]
+    hidden = 0
+    for _ in range(50):
+        tree = drafter.propose(history)
+        assert len(tree) + 1 <= 68 and tree.max_depth <= 10
+        roots = [i for i in range(len(tree)) if tree.parents[i] == ROOT]
+        hidden += bool(roots) and tree.tokens[roots[0]] != reference[1] and reference[1] in tree.tokens[roots]
+    assert hidden >= 10
+    tiny_llama.release()
+
+
+def test_make_proposer_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown method"):
+        make_proposer("nope")
