@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
@@ -16,7 +17,7 @@ import torch
 
 from recap.errors import InputError
 from recap.models import BUILTIN, DTYPES
-from recap.proposers import PROPOSERS
+from recap.proposers import ABLATIONS, PROPOSERS, Proposer, make_proposer
 
 
 def _positive(value: str) -> int:
@@ -45,6 +46,30 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+def _recap_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ablation", choices=list(ABLATIONS), default=None,
+                        help="recap only: change one ingredient (fusion rule, memory scope, suffix)")
+    parser.add_argument("--budget", type=int, default=None, help="recap only: tree candidates, root excluded (63)")
+
+
+def _make_method(args: argparse.Namespace) -> Proposer:
+    """The proposer the arguments ask for; recap-only options on another method are an error."""
+    options = {}
+    if args.method == "recap":
+        if args.ablation:
+            options["ablation"] = args.ablation
+        if args.budget is not None:
+            if args.budget < 0:
+                raise InputError(f"--budget cannot be negative, got {args.budget}")
+            options["budget"] = args.budget
+        memory = getattr(args, "memory", None)
+        if memory and os.path.exists(memory):
+            options["memory_file"] = memory
+    elif args.ablation or args.budget is not None or getattr(args, "memory", None):
+        raise InputError("--ablation, --budget and --memory apply to --method recap only")
+    return make_proposer(args.method, **options)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="recap", description="Lossless speculative decoding for VLMs and LMs.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -54,11 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--image", default=None, help="image file (vision-language models only)")
     generate.add_argument("--method", choices=list(PROPOSERS), default="ar")
+    _recap_options(generate)
+    generate.add_argument("--memory", default=None, metavar="FILE",
+                          help="recap: token memory U to start from (if the file exists) and to save back after")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
 
     check = commands.add_parser("check", help="compare a method with model.generate(do_sample=False)")
     _common(check)
     check.add_argument("--method", choices=list(PROPOSERS), default="ar")
+    _recap_options(check)
     check.add_argument("--prompts", type=_positive, default=30, help="number of built-in prompts")
     check.add_argument("--vary", action="store_true",
                        help="per prompt: a random token limit, and for half of them an EOS taken from the "
@@ -105,14 +134,17 @@ def _generate(args: argparse.Namespace) -> int:
     if not args.prompt.strip():
         raise InputError("the prompt is empty")
     image = load_image(args.image) if args.image else None
+    proposer = _make_method(args)
     target = load(args.model, dtype=args.dtype, top_k=args.top_k)
     if image is not None and not target.accepts_images:
         raise InputError(f"{args.model} is a text-only model: it cannot take an image")
-    result = generate(target, args.prompt, image=image, method=args.method,
-                      max_new_tokens=args.max_new_tokens or 128)
+    result = generate(target, args.prompt, image=image, method=proposer, max_new_tokens=args.max_new_tokens or 128)
+    if args.memory:
+        proposer.save_memory(args.memory)
     if args.json:
         print(json.dumps({
-            "model": args.model, "method": args.method, "dtype": args.dtype, "threads": torch.get_num_threads(),
+            "model": args.model, "method": args.method, "ablation": args.ablation, "dtype": args.dtype,
+            "threads": torch.get_num_threads(),
             "text": result.text, "tokens": result.tokens, "prompt_tokens": result.prompt_len,
             "iterations": len(result.iterations), "tau": result.tau, "tokens_per_s": result.tokens_per_s,
             "stop_reason": result.stop_reason, "timings": result.timings(),
@@ -128,6 +160,7 @@ def _check(args: argparse.Namespace) -> int:
     from recap.check import run_check
     from recap.models import load
 
+    proposer = _make_method(args)
     target = load(args.model, dtype=args.dtype, top_k=args.top_k)
     exact = args.dtype == "float32"
     with Progress(transient=True) as progress:
@@ -141,7 +174,7 @@ def _check(args: argparse.Namespace) -> int:
                     f"{case.prompt!r}: first difference at token {case.first_difference}; "
                     f"reference {case.reference[:12]}... output {case.output[:12]}...")
 
-        check = run_check(target, args.method, prompts=args.prompts, max_new_tokens=args.max_new_tokens or 48,
+        check = run_check(target, proposer, prompts=args.prompts, max_new_tokens=args.max_new_tokens or 48,
                           vary=args.vary, seed=args.seed, on_case=report)
     cut = sum(case.cut_inside_path for case in check.cases)
     print(f"model {args.model}, method {args.method}, dtype {args.dtype}: mean tau {check.tau:.2f}, "

@@ -7,10 +7,12 @@ from collections.abc import Callable
 from recap.errors import InputError
 from recap.proposers.base import AutoregressiveProposer, BaseProposer, Proposer
 from recap.proposers.pld import PromptLookupProposer
+from recap.proposers.recap import ABLATIONS, RecapConfig, RecapProposer
 from recap.proposers.testing import DecoyDrafter, RandomDrafter
 
 PROPOSERS: dict[str, Callable[..., Proposer]] = {
     "ar": AutoregressiveProposer,
+    "recap": RecapProposer,
     "pld": PromptLookupProposer,
     "decoy": DecoyDrafter,
     "random": RandomDrafter,
@@ -27,5 +29,5 @@ def make_proposer(name: str, **options) -> Proposer:
     return factory(**options)
 
 
-__all__ = ["PROPOSERS", "AutoregressiveProposer", "BaseProposer", "DecoyDrafter", "PromptLookupProposer", "Proposer",
-           "RandomDrafter", "make_proposer"]
+__all__ = ["ABLATIONS", "PROPOSERS", "AutoregressiveProposer", "BaseProposer", "DecoyDrafter", "PromptLookupProposer",
+           "Proposer", "RandomDrafter", "RecapConfig", "RecapProposer", "make_proposer"]

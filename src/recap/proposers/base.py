@@ -15,8 +15,9 @@ from recap.core import DraftTree, PromptRows, VerifiedTree
 @runtime_checkable
 class Proposer(Protocol):
     """Lifecycle per request: ``begin_request``, then ``propose``/``observe`` per iteration,
-    then ``end_request``. State that outlives a request (a stream's memory) stays on the
-    object; request-local state is reset in ``begin_request``."""
+    then ``end_request``. One proposer object is one *stream*: state that outlives a request
+    (RECAP's U, Token Recycling's matrix) stays on the object until ``reset_stream``;
+    request-local state is reset in ``begin_request``."""
 
     name: str
 
@@ -27,6 +28,8 @@ class Proposer(Protocol):
     def observe(self, step: VerifiedTree) -> None: ...
 
     def end_request(self) -> None: ...
+
+    def reset_stream(self) -> None: ...
 
 
 class BaseProposer:
@@ -45,6 +48,9 @@ class BaseProposer:
 
     def end_request(self) -> None:
         pass
+
+    def reset_stream(self) -> None:
+        """Forget state carried across requests (a new stream starts)."""
 
 
 class AutoregressiveProposer(BaseProposer):

@@ -1,0 +1,74 @@
+"""Incremental suffix automaton over prompt + committed tokens.
+
+After each `extend`, the state linked from the last one is the longest suffix of the text that
+also ends somewhere earlier; its first end position tells where that earlier occurrence is,
+and the tokens after it are the continuation to draft. Amortised O(1) per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class SuffixAutomaton:
+    __slots__ = ("tokens", "_next", "_link", "_length", "_first_end", "_last")
+
+    def __init__(self, tokens: Iterable[int] = ()) -> None:
+        self.tokens: list[int] = []
+        self._next: list[dict[int, int]] = [{}]
+        self._link: list[int] = [-1]
+        self._length: list[int] = [0]
+        self._first_end: list[int] = [-1]
+        self._last = 0
+        for token in tokens:
+            self.extend(token)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def _new_state(self, length: int, first_end: int, transitions: dict[int, int], link: int) -> int:
+        self._next.append(transitions)
+        self._link.append(link)
+        self._length.append(length)
+        self._first_end.append(first_end)
+        return len(self._length) - 1
+
+    def extend(self, token: int) -> None:
+        position = len(self.tokens)
+        self.tokens.append(token)
+        nxt, link, length = self._next, self._link, self._length
+        current = self._new_state(length[self._last] + 1, position, {}, -1)
+        state = self._last
+        while state != -1 and token not in nxt[state]:
+            nxt[state][token] = current
+            state = link[state]
+        if state == -1:
+            link[current] = 0
+        else:
+            target = nxt[state][token]
+            if length[state] + 1 == length[target]:
+                link[current] = target
+            else:
+                clone = self._new_state(length[state] + 1, self._first_end[target], dict(nxt[target]), link[target])
+                while state != -1 and nxt[state].get(token) == target:
+                    nxt[state][token] = clone
+                    state = link[state]
+                link[target] = clone
+                link[current] = clone
+        self._last = current
+
+    def longest_match(self) -> tuple[int, int]:
+        """(length, end) of the longest suffix that also ends earlier, at its first earlier end
+        position; (0, -1) when nothing matches."""
+        state = self._link[self._last] if self.tokens else -1
+        if state <= 0:
+            return 0, -1
+        return self._length[state], self._first_end[state]
+
+    def continuation(self, max_tokens: int, min_match: int = 1) -> list[int]:
+        """Up to ``max_tokens`` tokens that followed the earlier occurrence of the longest
+        suffix match (of at least ``min_match`` tokens)."""
+        length, end = self.longest_match()
+        if length < min_match or max_tokens <= 0:
+            return []
+        return self.tokens[end + 1 : end + 1 + max_tokens]

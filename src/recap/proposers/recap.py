@@ -1,0 +1,199 @@
+"""RECAP: recycle the target's own Top-K predictions as drafts.
+
+propose: best-first tree over fused memory rows + a suffix-automaton continuation.
+observe: every evaluated node's row refreshes U, C and G; committed tokens extend the automaton.
+
+One proposer object is one *stream*: U (token-keyed memory) persists across its requests,
+C/G and the automaton are per request. ``reset_stream()`` starts a new stream.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from os import PathLike
+
+from recap.core import ROOT, DraftTree, PromptRows, TreeBuilder, VerifiedTree
+from recap.core.fusion import FUSION_MODES, PRIORS, fuse
+from recap.core.memory import PredictionMemory
+from recap.core.suffix import SuffixAutomaton
+from recap.errors import InputError
+from recap.proposers.base import BaseProposer
+
+
+@dataclass(frozen=True)
+class RecapConfig:
+    """Paper defaults. ``budget`` counts tree candidates (root excluded); the suffix
+    continuation may add up to ``suffix_tokens`` more nodes."""
+
+    top_k: int = 8
+    width: int = 8
+    max_depth: int = 10
+    budget: int = 63
+    depth_priors: tuple[float, ...] = (0.68, 0.63, 0.50, 0.43, 0.40, 0.38)
+    tail_depth_prior: float = 0.38
+    priors: tuple[float, ...] = PRIORS
+    fusion: str = "entropy"
+    suffix_tokens: int = 4
+    persistent_unigram: bool = True
+
+    def __post_init__(self) -> None:
+        if self.fusion not in FUSION_MODES:
+            raise InputError(f"unknown fusion mode {self.fusion!r}; choose one of: {', '.join(FUSION_MODES)}")
+        for name in ("top_k", "width", "max_depth"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name} must be at least 1")
+        if self.budget < 0 or self.suffix_tokens < 0:
+            raise InputError("budget and suffix_tokens cannot be negative")
+
+    def depth_prior(self, depth: int) -> float:
+        return self.depth_priors[depth - 1] if depth <= len(self.depth_priors) else self.tail_depth_prior
+
+
+ABLATIONS: dict[str, dict] = {
+    "no-confidence": {"fusion": "no-confidence"},
+    "no-prior": {"fusion": "no-prior"},
+    "uniform": {"fusion": "uniform"},
+    "gate": {"fusion": "gate"},
+    "backoff": {"fusion": "backoff"},
+    "unigram": {"fusion": "unigram"},
+    "reset-U": {"persistent_unigram": False},
+    "no-suffix": {"suffix_tokens": 0},
+}
+"""Named ablation switches (one ingredient changed each)."""
+
+
+class RecapProposer(BaseProposer):
+    name = "recap"
+
+    def __init__(self, config: RecapConfig | None = None, *, ablation: str | None = None,
+                 memory_file: str | PathLike | None = None, **overrides):
+        config = config or RecapConfig()
+        if ablation:
+            if ablation not in ABLATIONS:
+                raise InputError(f"unknown ablation {ablation!r}; choose one of: {', '.join(ABLATIONS)}")
+            config = replace(config, **ABLATIONS[ablation])
+        self.config = replace(config, **overrides) if overrides else config
+        self.memory = PredictionMemory()
+        self.automaton = SuffixAutomaton()
+        self.vocab_size: int | None = None
+        self._excluded: frozenset[int] = frozenset()
+        self._context: list[int] = []
+        self._pending_memory = None
+        if memory_file is not None:
+            self.load_memory(memory_file)
+
+    # ------------------------------------------------------------------ stream / request
+    def reset_stream(self) -> None:
+        """Forget everything, U included: a new stream starts."""
+        self.memory.reset_stream()
+
+    def begin_request(self, prompt: PromptRows) -> None:
+        self.prompt = prompt
+        self.vocab_size = prompt.vocab_size
+        if self._pending_memory is not None:
+            self._pending_memory.install(self.memory, prompt.vocab_size)
+            self._pending_memory = None
+        if self.config.persistent_unigram:
+            self.memory.reset_request()
+        else:
+            self.memory.reset_stream()
+        self.memory.seed_from_prompt(prompt)
+        self._excluded = prompt.excluded_tokens
+        self.automaton = SuffixAutomaton(prompt.ids.tolist()) if self.config.suffix_tokens else SuffixAutomaton()
+
+    def end_request(self) -> None:
+        self.memory.reset_request()
+
+    # ------------------------------------------------------------------ drafting
+    def propose(self, history: Sequence[int]) -> DraftTree:
+        if self.config.suffix_tokens:
+            for token in history[len(self.automaton) :]:
+                self.automaton.extend(token)
+        self._context = list(history[-3:])
+        builder = self.build_tree(self._context)
+        if self.config.suffix_tokens:
+            continuation = []
+            for token in self.automaton.continuation(self.config.suffix_tokens):
+                if token in self._excluded:
+                    break
+                continuation.append(token)
+            builder.add_path(ROOT, continuation)
+        return builder.build()
+
+    def fused(self, u: int | None, v: int | None, x: int) -> tuple[list[int], list[float]]:
+        """q(. | ..., u, v, x): retrieval and fusion for one path context, image tokens removed,
+        at most ``width`` children."""
+        config = self.config
+        if config.fusion == "unigram":
+            row = self.memory.unigram.get(x)
+            rows = [row] if row is not None else []
+        else:
+            rows = self.memory.lookup(u, v, x)
+        tokens, probs = fuse(rows, config.top_k, config.fusion, config.priors)
+        if self._excluded and any(t in self._excluded for t in tokens):
+            kept = [(t, p) for t, p in zip(tokens, probs) if t not in self._excluded]
+            tokens, probs = [t for t, _ in kept], [p for _, p in kept]
+        return tokens[: config.width], probs[: config.width]
+
+    def build_tree(self, context: Sequence[int]) -> TreeBuilder:
+        """Best-first expansion by path score prod_j eta_j q(z_j | h_j).
+
+        Children of a node are sorted by q, so the heap only ever holds, per expanded node,
+        its best not-yet-added child: popping a child pushes its next sibling and its own
+        first child. Fusion results are memoised per (u, v, x) context within one call.
+        """
+        config = self.config
+        padded = [None, None, *context][-3:]
+        root_context = (padded[0], padded[1], padded[2])
+        memo: dict[tuple, tuple[list[int], list[float]]] = {root_context: self.fused(*root_context)}
+        builder = TreeBuilder()
+        heap: list[tuple[float, int, int, tuple, int, float, int]] = []
+        counter = 0
+        tokens, probs = memo[root_context]
+        if tokens:
+            heap.append((-config.depth_prior(1) * probs[0], counter, ROOT, root_context, 0, 1.0, 1))
+        while heap and len(builder) < config.budget:
+            negative, _, parent, parent_context, index, parent_score, depth = heapq.heappop(heap)
+            tokens, probs = memo[parent_context]
+            token = tokens[index]
+            node = builder.add(parent, token)
+            score = -negative
+            counter += 1
+            if index + 1 < len(tokens):
+                sibling = parent_score * config.depth_prior(depth) * probs[index + 1]
+                heapq.heappush(heap, (-sibling, counter, parent, parent_context, index + 1, parent_score, depth))
+            if depth < config.max_depth:
+                child_context = (parent_context[1], parent_context[2], token)
+                children = memo.get(child_context)
+                if children is None:
+                    children = memo[child_context] = self.fused(*child_context)
+                if children[0]:
+                    counter += 1
+                    first = score * config.depth_prior(depth + 1) * children[1][0]
+                    heapq.heappush(heap, (-first, counter, node, child_context, 0, score, depth + 1))
+        return builder
+
+    # ------------------------------------------------------------------ learning
+    def observe(self, step: VerifiedTree) -> None:
+        self.memory.refresh(self._context, step, contextual=self.config.fusion != "unigram")
+        if self.config.suffix_tokens:
+            for token in step.committed:
+                self.automaton.extend(token)
+
+    # ------------------------------------------------------------------ persistence
+    def save_memory(self, path: str | PathLike) -> None:
+        """Write U (the stream's token memory) to ``path`` (see `recap.core.persistence`)."""
+        from recap.core.persistence import save_token_memory
+
+        if self.vocab_size is None:
+            raise InputError("nothing to save yet: the memory's vocabulary is known after the first request")
+        save_token_memory(path, self.memory.unigram, vocab_size=self.vocab_size)
+
+    def load_memory(self, path: str | PathLike) -> None:
+        """Read a U file now (errors surface here); it is installed at the next request,
+        once the target's vocabulary is known and checked."""
+        from recap.core.persistence import read_token_memory
+
+        self._pending_memory = read_token_memory(path)

@@ -1,0 +1,183 @@
+"""The RECAP proposer end to end: streams, memory files, ablations, losslessness."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import recap
+from recap.check import run_check
+from recap.cli import main
+from recap.core.memory import Row
+from recap.core.persistence import MemoryFileError
+from recap.proposers import ABLATIONS, RecapProposer
+
+from .conftest import load_target
+
+
+def _assert_all_passed(report):
+    failures = [(case.index, case.first_difference) for case in report.cases if not case.passed]
+    assert not failures, f"{len(failures)} mismatches (case, first differing token): {failures}"
+
+
+# ----------------------------------------------------------------------------- losslessness
+def test_recap_is_lossless_on_tiny_architectures(tiny_target):
+    report = run_check(tiny_target, "recap", prompts=30, max_new_tokens=40, vary=True, seed=11)
+    _assert_all_passed(report)
+
+
+@pytest.mark.parametrize("ablation", list(ABLATIONS))
+def test_every_ablation_is_lossless(ablation):
+    target = load_target("tiny-qwen2.5-vl")
+    _assert_all_passed(run_check(target, RecapProposer(ablation=ablation), prompts=6, max_new_tokens=24, seed=12))
+
+
+@pytest.mark.slow
+def test_recap_is_lossless_and_recycles_on_smollm2(smollm2):
+    report = run_check(smollm2, "recap", prompts=5, max_new_tokens=32, seed=13)
+    _assert_all_passed(report)
+    assert report.tau > 1.5  # a real model's own predictions are worth recycling
+
+
+def _random_rows(draw, vocab, count):
+    rows = {}
+    for _ in range(count):
+        key = draw(st.integers(0, vocab - 1))
+        ids = draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=8, unique=True))
+        weights = draw(st.lists(st.floats(0.01, 1.0), min_size=len(ids), max_size=len(ids)))
+        total = sum(weights)
+        probs = tuple(w / total for w in weights)
+        rows[key] = Row(tuple(ids), probs, float(np.exp(sum(p * np.log(p) for p in probs))))
+    return rows
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_whatever_the_memory_holds_the_output_is_greedy(tiny_llama, data):
+    """Random rows, rows mostly pointing at the history's own tokens, or garbage: same output."""
+    inputs = tiny_llama.prepare("Memory property test.")
+    reference = tiny_llama.reference_generate(inputs, 20)
+    proposer = RecapProposer()
+    vocab = tiny_llama.vocab_size
+    rows = _random_rows(data.draw, vocab, data.draw(st.integers(0, 30)))
+    # Plant rows keyed by the actual history so drafts are proposed and partly accepted.
+    history = inputs.prompt_ids + reference
+    for position in data.draw(st.lists(st.integers(0, len(history) - 2), max_size=20)):
+        rows[history[position]] = Row((history[position + 1], data.draw(st.integers(0, vocab - 1))), (0.6, 0.4), 0.5)
+    result = _decode_with_preloaded(tiny_llama, proposer, inputs, rows)
+    assert result.tokens == reference
+
+
+def _decode_with_preloaded(target, proposer, inputs, rows):
+    """decode() seeds U from the prompt at begin_request; re-insert our rows right after."""
+    original = proposer.begin_request
+
+    def begin(prompt):
+        original(prompt)
+        proposer.memory.unigram.update(rows)
+
+    proposer.begin_request = begin
+    return recap.decode(target, proposer, inputs, max_new_tokens=20)
+
+
+def test_rows_from_another_model_do_not_change_outputs(tiny_llama):
+    donor = RecapProposer()
+    run_check(load_target("tiny-llava-next"), donor, prompts=4, max_new_tokens=16)
+    assert len(donor.memory.unigram) > 20
+    receiver = RecapProposer()
+    _assert_all_passed(run_check(tiny_llama, receiver, prompts=4, max_new_tokens=16))
+    receiver.memory.unigram.clear()
+    receiver.memory.unigram.update({k: v for k, v in donor.memory.unigram.items() if k < tiny_llama.vocab_size})
+    _assert_all_passed(run_check(tiny_llama, receiver, prompts=4, max_new_tokens=16))
+
+
+# ----------------------------------------------------------------------------- streams
+def test_streams_carry_unigram_across_requests_and_stay_isolated(tiny_llama):
+    first, second = RecapProposer(), RecapProposer()
+    recap.generate(tiny_llama, "Stream one, request one.", method=first, max_new_tokens=8)
+    after_one = dict(first.memory.unigram)
+    assert after_one and not first.memory.bigram  # C/G are request-local
+    assert not second.memory.unigram  # nothing leaked into the other stream
+    recap.generate(tiny_llama, "Stream one, request two.", method=first, max_new_tokens=8)
+    assert set(after_one) <= set(first.memory.unigram)  # U kept (and grown)
+    first.reset_stream()
+    assert not first.memory.unigram
+
+    reset_u = RecapProposer(ablation="reset-U")
+    recap.generate(tiny_llama, "Request one.", method=reset_u, max_new_tokens=8)
+    before = set(reset_u.memory.unigram)
+    inputs = tiny_llama.prepare("A different second prompt entirely")
+    reset_u.begin_request(tiny_llama.prefill(inputs)[0])
+    tiny_llama.release()
+    assert set(reset_u.memory.unigram) <= set(inputs.prompt_ids) and before - set(inputs.prompt_ids)
+
+
+# ----------------------------------------------------------------------------- memory files
+@pytest.fixture
+def memory_file(tiny_llama, tmp_path):
+    proposer = RecapProposer()
+    recap.generate(tiny_llama, "Fill the memory please.", method=proposer, max_new_tokens=12)
+    path = tmp_path / "u.safetensors"
+    proposer.save_memory(path)
+    return proposer, path
+
+
+def test_memory_round_trip(tiny_llama, memory_file):
+    saved, path = memory_file
+    loaded = RecapProposer(memory_file=path)
+    inputs = tiny_llama.prepare("x")
+    loaded.begin_request(tiny_llama.prefill(inputs)[0])
+    tiny_llama.release()
+    for key, row in saved.memory.unigram.items():
+        if key in inputs.prompt_ids:
+            continue  # reseeded by this prompt's prefill
+        assert loaded.memory.unigram[key].ids == row.ids
+        assert loaded.memory.unigram[key].probs == pytest.approx(row.probs, rel=1e-5)
+        assert loaded.memory.unigram[key].confidence == pytest.approx(row.confidence, rel=1e-4)
+
+
+def test_corrupted_truncated_and_foreign_files_are_refused(tiny_llama, memory_file, tmp_path):
+    _, path = memory_file
+    data = bytearray(path.read_bytes())
+    corrupted = tmp_path / "corrupted.safetensors"
+    data[-5] ^= 0xFF
+    corrupted.write_bytes(bytes(data))
+    with pytest.raises(MemoryFileError, match="checksum"):
+        RecapProposer(memory_file=corrupted)
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[:-40])
+    with pytest.raises(MemoryFileError, match="truncated"):
+        RecapProposer(memory_file=truncated)
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(b"\x00" * 64)
+    with pytest.raises(MemoryFileError):
+        RecapProposer(memory_file=garbage)
+    with pytest.raises(MemoryFileError, match="not found"):
+        RecapProposer(memory_file=tmp_path / "missing")
+    other_vocab = RecapProposer(memory_file=path)
+    qwen = load_target("tiny-qwen2.5-vl")  # 49156 tokens, the file says 49152
+    with pytest.raises(MemoryFileError, match="vocabulary"):
+        recap.generate(qwen, "hi", method=other_vocab, max_new_tokens=2)
+
+
+def test_cli_memory_file_round_trip_and_bad_file(capsys, tmp_path):
+    path = tmp_path / "stream.safetensors"
+    args = ["generate", "--model", "tiny-llama", "--prompt", "hello", "--method", "recap", "--memory", str(path),
+            "--max-new-tokens", "6"]
+    assert main(args) == 0 and path.exists()
+    assert main(args) == 0  # loads it, then saves again
+    path.write_bytes(b"broken")
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "memory file" in err[0]
+
+
+def test_recap_options_are_refused_for_other_methods(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--ablation", "gate"]) == 2
+    assert "recap only" in capsys.readouterr().err
+
+
+def test_unknown_ablation_via_api():
+    with pytest.raises(recap.InputError, match="unknown ablation"):
+        RecapProposer(ablation="everything")
