@@ -36,3 +36,11 @@ def test_check_in_bfloat16_reports_agreement(capsys):
                  "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "agreement rate" in out and "of tokens" in out
+
+
+def test_overhead_json_has_the_per_iteration_total(capsys):
+    assert main(["overhead", "--method", "recap", "--requests", "1", "--max-new-tokens", "24", "--vocab", "4096",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["total_ms_median"] > 0 and result["method"] == "recap"
+    assert {"propose", "packing", "observe", "fusion", "refresh"} <= set(result["stages"])

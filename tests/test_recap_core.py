@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from recap.core import ROOT, DraftTree, PromptRows, VerifiedTree
-from recap.core.fusion import fuse
-from recap.core.memory import PredictionMemory, Row, rows_from_logits
+from recap.core.fusion import fuse as fuse_rows
+from recap.core.memory import PredictionMemory, make_row, rows_from_logits
 from recap.proposers.recap import RecapProposer
 
 
@@ -15,17 +15,23 @@ def entropy_confidence(probs):
     return math.exp(sum(p * math.log(p) for p in probs if p > 0))
 
 
+def fuse(*args, **kwargs):
+    """The fusion under test, with list outputs for easy comparison."""
+    tokens, probs = fuse_rows(*args, **kwargs)
+    return list(tokens), list(probs)
+
+
 def row(ids, probs):
-    return Row(tuple(ids), tuple(probs), entropy_confidence(probs))
+    return make_row(tuple(ids), tuple(probs), entropy_confidence(probs))
 
 
 # ----------------------------------------------------------------------------- rows
 def test_rows_from_logits_softmax_over_kept_logits_and_confidence():
     (first, second) = rows_from_logits(np.array([[4, 9], [1, 2]]), np.array([[0.0, 0.0], [math.log(3.0), 0.0]]))
-    assert first.ids == (4, 9) and first.probs == pytest.approx((0.5, 0.5))
-    assert first.confidence == pytest.approx(0.5)  # exp(-ln 2): effective support 2
-    assert second.probs == pytest.approx((0.75, 0.25))
-    assert second.confidence == pytest.approx(math.exp(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))
+    assert first[0] == (4, 9) and first[1] == pytest.approx((0.5, 0.5))
+    assert first[2] == pytest.approx(0.5)  # exp(-ln 2): effective support 2
+    assert second[1] == pytest.approx((0.75, 0.25))
+    assert second[2] == pytest.approx(math.exp(0.75 * math.log(0.75) + 0.25 * math.log(0.25)))
 
 
 # ----------------------------------------------------------------------------- fusion
@@ -49,7 +55,7 @@ def test_two_rows_take_the_first_two_priors():
 
 def test_three_rows_and_top_k_renormalises():
     g, c, u = row([1, 2], [0.9, 0.1]), row([3, 4], [0.6, 0.4]), row([5, 6], [0.5, 0.5])
-    weights = [0.7 * g.confidence, 0.2 * c.confidence, 0.1 * u.confidence]
+    weights = [0.7 * g[2], 0.2 * c[2], 0.1 * u[2]]
     total = sum(weights)
     mixture = {1: 0.9 * weights[0], 2: 0.1 * weights[0], 3: 0.6 * weights[1], 4: 0.4 * weights[1],
                5: 0.5 * weights[2], 6: 0.5 * weights[2]}
@@ -64,12 +70,12 @@ def test_three_rows_and_top_k_renormalises():
 
 def test_ties_keep_the_more_specific_rows_order():
     # Same confidence, priors 0.7/0.2 on tokens with masses chosen to tie exactly.
-    a = Row((1, 2), (0.2, 0.8), 1.0)
-    b = Row((3, 4), (0.7, 0.3), 1.0)
+    a = make_row((1, 2), (0.2, 0.8), 1.0)
+    b = make_row((3, 4), (0.7, 0.3), 1.0)
     tokens, probs = fuse([a, b], k=4, mode="uniform")
     # uniform: w = 0.5 each: 1 -> 0.1, 2 -> 0.4, 3 -> 0.35, 4 -> 0.15
     assert tokens == [2, 3, 4, 1]
-    tie_a, tie_b = Row((10,), (1.0,), 1.0), Row((20,), (1.0,), 1.0)
+    tie_a, tie_b = make_row((10,), (1.0,), 1.0), make_row((20,), (1.0,), 1.0)
     assert fuse([tie_a, tie_b], k=2, mode="uniform")[0] == [10, 20]
     assert fuse([tie_b, tie_a], k=2, mode="uniform")[0] == [20, 10]
 
@@ -77,7 +83,7 @@ def test_ties_keep_the_more_specific_rows_order():
 def test_a_peaked_short_row_beats_a_diffuse_long_row():
     diffuse = row(list(range(100, 108)), [1 / 8] * 8)  # most specific, c = 1/8
     peaked = row([7, 8], [0.95, 0.05])  # less specific, nearly certain
-    w_diffuse, w_peaked = 0.7 * (1 / 8), 0.2 * peaked.confidence
+    w_diffuse, w_peaked = 0.7 * (1 / 8), 0.2 * peaked[2]
     total = w_diffuse + w_peaked
     mixture = {t: w_diffuse / total / 8 for t in range(100, 108)}
     mixture[7] = w_peaked / total * 0.95
@@ -93,9 +99,9 @@ def test_a_peaked_short_row_beats_a_diffuse_long_row():
 
 
 def test_ablation_modes():
-    g = Row((1,), (1.0,), 0.3)
-    c = Row((2,), (1.0,), 0.9)
-    u = Row((3,), (1.0,), 0.9)
+    g = make_row((1,), (1.0,), 0.3)
+    c = make_row((2,), (1.0,), 0.9)
+    u = make_row((3,), (1.0,), 0.9)
     assert fuse([g, c, u], mode="gate")[0] == [2]  # most confident; tie with U goes to the more specific C
     assert fuse([g, c, u], mode="backoff")[0] == [1]
     no_prior = fuse([g, c, u], mode="no-prior")
@@ -118,8 +124,8 @@ def test_prefill_seeds_unigram_at_first_eligible_occurrence():
     memory = PredictionMemory()
     memory.seed_from_prompt(_prompt([5, 6, 5, 999, 7], eligible=[True, False, True, False, True]))
     assert set(memory.unigram) == {5, 7}
-    assert memory.unigram[5].ids == (0, 1)  # first occurrence (position 0), not position 2
-    assert memory.unigram[7].ids == (40, 41)
+    assert memory.unigram[5][0] == (0, 1)  # first occurrence (position 0), not position 2
+    assert memory.unigram[7][0] == (40, 41)
     assert not memory.bigram and not memory.trigram
 
 
@@ -135,23 +141,23 @@ def test_refresh_writes_every_node_under_its_path_context():
     history = [1, 2, 3]  # root token 3
     tree = DraftTree([4, 5, 6], [ROOT, 0, ROOT])  # 3 -> 4 -> 5, and 3 -> 6 (rejected or not: all written)
     memory.refresh(history, _step(tree, [[30], [40], [50], [60]]))
-    assert memory.unigram[3].ids == (30,) and memory.unigram[4].ids == (40,)
-    assert memory.unigram[5].ids == (50,) and memory.unigram[6].ids == (60,)
-    assert memory.bigram[(2, 3)].ids == (30,) and memory.bigram[(3, 4)].ids == (40,)
-    assert memory.bigram[(4, 5)].ids == (50,) and memory.bigram[(3, 6)].ids == (60,)
-    assert memory.trigram[(1, 2, 3)].ids == (30,) and memory.trigram[(2, 3, 4)].ids == (40,)
-    assert memory.trigram[(3, 4, 5)].ids == (50,) and memory.trigram[(2, 3, 6)].ids == (60,)
+    assert memory.unigram[3][0] == (30,) and memory.unigram[4][0] == (40,)
+    assert memory.unigram[5][0] == (50,) and memory.unigram[6][0] == (60,)
+    assert memory.bigram[(2, 3)][0] == (30,) and memory.bigram[(3, 4)][0] == (40,)
+    assert memory.bigram[(4, 5)][0] == (50,) and memory.bigram[(3, 6)][0] == (60,)
+    assert memory.trigram[(1, 2, 3)][0] == (30,) and memory.trigram[(2, 3, 4)][0] == (40,)
+    assert memory.trigram[(3, 4, 5)][0] == (50,) and memory.trigram[(2, 3, 6)][0] == (60,)
 
 
 def test_first_occurrence_in_a_batch_wins_and_newer_batches_replace():
     memory = PredictionMemory()
     tree = DraftTree([9, 9], [ROOT, 0])  # root 9 -> 9 -> 9: U[9] written three times in one batch
     memory.refresh([8, 9], _step(tree, [[1], [2], [3]]))
-    assert memory.unigram[9].ids == (1,)  # the root's row came first
-    assert memory.bigram[(9, 9)].ids == (2,)
+    assert memory.unigram[9][0] == (1,)  # the root's row came first
+    assert memory.bigram[(9, 9)][0] == (2,)
     memory.refresh([7, 9], _step(DraftTree.empty(), [[5]]))
-    assert memory.unigram[9].ids == (5,)  # a newer iteration replaces
-    assert memory.bigram[(9, 9)].ids == (2,)
+    assert memory.unigram[9][0] == (5,)  # a newer iteration replaces
+    assert memory.bigram[(9, 9)][0] == (2,)
 
 
 def test_request_reset_clears_contextual_maps_but_keeps_unigram():
@@ -173,9 +179,9 @@ def _proposer_with_unigram(rows, **config):
 
 
 HAND_ROWS = {
-    3: Row((10, 11), (0.6, 0.4), 1.0),
-    10: Row((20, 21), (0.9, 0.1), 1.0),
-    11: Row((30,), (1.0,), 1.0),
+    3: make_row((10, 11), (0.6, 0.4), 1.0),
+    10: make_row((20, 21), (0.9, 0.1), 1.0),
+    11: make_row((30,), (1.0,), 1.0),
 }
 
 
@@ -191,15 +197,15 @@ def test_best_first_order_by_hand():
 def test_depth_width_and_excluded_tokens_limit_the_tree():
     assert _proposer_with_unigram(HAND_ROWS, max_depth=1).propose([3]).tokens.tolist() == [10, 11]
     assert _proposer_with_unigram(HAND_ROWS, width=1).propose([3]).tokens.tolist() == [10, 20]
-    rows = {3: Row((999, 11), (0.6, 0.4), 1.0), 11: Row((30,), (1.0,), 1.0)}
+    rows = {3: make_row((999, 11), (0.6, 0.4), 1.0), 11: make_row((30,), (1.0,), 1.0)}
     assert _proposer_with_unigram(rows).propose([3]).tokens.tolist() == [11, 30]  # image token 999 dropped
     assert len(_proposer_with_unigram({}).propose([3])) == 0
 
 
 def test_deeper_context_uses_fused_rows():
-    proposer = _proposer_with_unigram({3: Row((10,), (1.0,), 1.0)}, budget=2)
-    proposer.memory.bigram[(3, 10)] = Row((40,), (1.0,), 1.0)
-    proposer.memory.unigram[10] = Row((41,), (1.0,), 1.0)
+    proposer = _proposer_with_unigram({3: make_row((10,), (1.0,), 1.0)}, budget=2)
+    proposer.memory.bigram[(3, 10)] = make_row((40,), (1.0,), 1.0)
+    proposer.memory.unigram[10] = make_row((41,), (1.0,), 1.0)
     tree = proposer.propose([2, 3])
     # Under context (3, 10): C[3,10] and U[10] fuse with priors 0.7/0.2 -> 40 first.
     assert tree.tokens.tolist() == [10, 40]
@@ -210,7 +216,7 @@ def test_suffix_continuation_shares_the_tree_prefix():
     # Prompt 1 3 10 20 99 7 ... then history ends with 3: the automaton continues 10 20 99 7.
     proposer.begin_request(_prompt([1, 3, 10, 20, 99, 7, 8]))
     proposer.memory.unigram.clear()
-    proposer.memory.unigram.update({3: Row((10,), (1.0,), 1.0), 10: Row((20,), (1.0,), 1.0)})
+    proposer.memory.unigram.update({3: make_row((10,), (1.0,), 1.0), 10: make_row((20,), (1.0,), 1.0)})
     tree = proposer.propose([1, 3, 10, 20, 99, 7, 8, 3])
     assert tree.tokens.tolist() == [10, 20, 99, 7]
     assert tree.parents.tolist() == [ROOT, 0, 1, 2]  # 10 and 20 reused, 99 and 7 appended

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 import recap
 from recap.check import run_check
 from recap.cli import main
-from recap.core.memory import Row
+from recap.core.memory import make_row
 from recap.core.persistence import MemoryFileError
 from recap.proposers import ABLATIONS, RecapProposer
 
@@ -47,7 +47,7 @@ def _random_rows(draw, vocab, count):
         weights = draw(st.lists(st.floats(0.01, 1.0), min_size=len(ids), max_size=len(ids)))
         total = sum(weights)
         probs = tuple(w / total for w in weights)
-        rows[key] = Row(tuple(ids), probs, float(np.exp(sum(p * np.log(p) for p in probs))))
+        rows[key] = make_row(tuple(ids), probs, float(np.exp(sum(p * np.log(p) for p in probs))))
     return rows
 
 
@@ -63,7 +63,8 @@ def test_whatever_the_memory_holds_the_output_is_greedy(tiny_llama, data):
     # Plant rows keyed by the actual history so drafts are proposed and partly accepted.
     history = inputs.prompt_ids + reference
     for position in data.draw(st.lists(st.integers(0, len(history) - 2), max_size=20)):
-        rows[history[position]] = Row((history[position + 1], data.draw(st.integers(0, vocab - 1))), (0.6, 0.4), 0.5)
+        decoy = data.draw(st.integers(0, vocab - 1))
+        rows[history[position]] = make_row((history[position + 1], decoy), (0.6, 0.4), 0.5)
     result = _decode_with_preloaded(tiny_llama, proposer, inputs, rows)
     assert result.tokens == reference
 
@@ -131,9 +132,9 @@ def test_memory_round_trip(tiny_llama, memory_file):
     for key, row in saved.memory.unigram.items():
         if key in inputs.prompt_ids:
             continue  # reseeded by this prompt's prefill
-        assert loaded.memory.unigram[key].ids == row.ids
-        assert loaded.memory.unigram[key].probs == pytest.approx(row.probs, rel=1e-5)
-        assert loaded.memory.unigram[key].confidence == pytest.approx(row.confidence, rel=1e-4)
+        assert loaded.memory.unigram[key][0] == row[0]
+        assert loaded.memory.unigram[key][1] == pytest.approx(row[1], rel=1e-5)
+        assert loaded.memory.unigram[key][2] == pytest.approx(row[2], rel=1e-4)
 
 
 def test_corrupted_truncated_and_foreign_files_are_refused(tiny_llama, memory_file, tmp_path):

@@ -94,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "reference output, so stops land inside accepted paths")
     check.add_argument("--seed", type=int, default=0)
 
+    overhead = commands.add_parser("overhead", help="host-side cost per iteration of a method (no model needed)")
+    overhead.add_argument("--method", choices=list(PROPOSERS), default="recap")
+    overhead.add_argument("--vocab", type=_positive, default=49152)
+    overhead.add_argument("--budget", type=int, default=63, help="recap: tree candidates, root excluded")
+    overhead.add_argument("--requests", type=_positive, default=8, help="timed requests (after one warm-up)")
+    overhead.add_argument("--max-new-tokens", type=int, default=128)
+    overhead.add_argument("--seed", type=int, default=0)
+    overhead.add_argument("--json", action="store_true", help="one JSON object (key total_ms_median: the total)")
+
     demo = commands.add_parser("demo", help="AR vs a drafter on SmolLM2: identical outputs, speedup")
     demo.add_argument("--model", default="smollm2-135m")
     demo.add_argument("--method", choices=list(PROPOSERS), default="pld")
@@ -114,6 +123,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _generate(args)
         if args.command == "check":
             return _check(args)
+        if args.command == "overhead":
+            return _overhead(args)
         from recap.demo import run_demo
 
         return run_demo(args.model, args.method, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
@@ -151,6 +162,20 @@ def _generate(args: argparse.Namespace) -> int:
         }))
     else:
         print(result.text)
+    return 0
+
+
+def _overhead(args: argparse.Namespace) -> int:
+    from recap.overhead import format_overhead, run_overhead
+
+    if args.budget < 0:
+        raise InputError(f"--budget cannot be negative, got {args.budget}")
+    if args.method in ("decoy", "random"):
+        raise InputError(f"{args.method} is a test drafter; time ar, pld or recap")
+    options = {"vocab": args.vocab, "requests": args.requests, "max_new_tokens": args.max_new_tokens or 128,
+               "seed": args.seed, "budget": args.budget}
+    result = run_overhead(args.method, **options)
+    print(json.dumps(result) if args.json else format_overhead(result))
     return 0
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from recap.core import ROOT, DraftTree, PromptRows, VerifiedTree
+from recap.core.tree import additive_mask
 from recap.proposers import Proposer, RecapProposer, make_proposer
 
 _MASK_MIN = np.float32(np.finfo(np.float32).min)
@@ -41,23 +42,30 @@ class SyntheticTarget:
     uses (``prefill``, ``verify``, ``commit``, ``release``, ``eos_token_ids``, ``vocab_size``,
     ``excluded_tokens``, ``top_k``).
 
-    The language: every token x has ``candidates`` distinct follow-up tokens, taken around a
-    Zipf-distributed frequency rank (so a few hundred tokens make most of the text, as in LLM
-    output), with Zipf-shaped base logits. The previous token v perturbs those logits through a
-    hash of (v, x), so the next-token distribution depends on the last two tokens and the
-    argmax sometimes changes with v. All other tokens have (implicitly) lower logits, so the
-    Top-K is the top of the candidates. Greedy continuation is the argmax.
+    The language: every token x has ``candidates`` distinct follow-up tokens around a
+    Zipf-Mandelbrot frequency rank, with Zipf-shaped base logits, so frequent tokens and their
+    continuations recur (default prompts: ~55% distinct tokens). The previous token v perturbs
+    those logits through a hash of (v, x) (``pair_noise``), so the distribution depends on the
+    last two tokens. A hash of the last ``window`` tokens (``window_noise``) stands in for
+    long-range context and reorders the same candidates: greedy text of a pure order-2 model
+    enters a loop within a few dozen tokens whenever tokens repeat at text-like rates, which
+    would overstate recycling (``window_noise=0`` gives that model). Non-candidate tokens have
+    (implicitly) lower logits, so the Top-K is the top of the candidates; greedy
+    continuation is the argmax.
     """
 
     def __init__(self, vocab_size: int = 49152, *, seed: int = 0, top_k: int = 8, candidates: int = 12,
-                 rank_exponent: float = 1.1, rank_offset: float = 30.0, logit_slope: float = 1.6,
-                 context_noise: float = 2.5):
+                 rank_exponent: float = 1.2, rank_offset: float = 10.0, logit_slope: float = 1.6,
+                 pair_noise: float = 2.0, window: int = 8, window_noise: float = 4.0):
         if candidates < top_k:
             raise ValueError("candidates must be at least top_k")
+        if window < 2:
+            raise ValueError("window must be at least 2")
         rng = np.random.default_rng(seed)
         v, c = vocab_size, candidates
         self.vocab_size = vocab_size
         self.top_k = top_k
+        self.window = window
         self.eos_token_ids: list[int] = []
         self.excluded_tokens: frozenset[int] = frozenset()
         self._rank_to_token = rng.permutation(v).astype(np.int64)
@@ -70,36 +78,48 @@ class SyntheticTarget:
         self._next = self._rank_to_token[np.take_along_axis(ranks, shuffle, axis=1)]
         self._base = (10.0 - logit_slope * np.log1p(np.arange(c)) + 0.6 * rng.standard_normal((v, c))).astype(
             np.float32)
-        self._noise = np.float32(context_noise)
-        self._salt = np.uint64(rng.integers(1, 2**63))
+        self._noise = (np.float32(pair_noise), np.float32(window_noise))
+        self._salt = rng.integers(1, 2**63, size=window, dtype=np.uint64)
         self._columns = _GOLDEN * np.arange(1, c + 1, dtype=np.uint64)
-        self._prev = -1
+        self._tail: list[int] = []
         self._root = -1
         self._tree: DraftTree | None = None
         self.past_len = 0
 
     # ---------------------------------------------------------------- the language
-    def rows(self, prev: np.ndarray, last: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Top-K ids (int64), logits (float32) and argmax after contexts (prev, last); prev = -1
-        means no previous token."""
-        prev = np.asarray(prev, dtype=np.int64)
-        last = np.asarray(last, dtype=np.int64)
-        key = _mix(_mix((prev + 1).astype(np.uint64) ^ self._salt) ^ last.astype(np.uint64))
-        uniform = (_mix(key[:, None] + self._columns) >> np.uint64(40)).astype(np.float32) * np.float32(2.0**-24)
-        logits = self._base[last] + self._noise * (uniform - np.float32(0.5))
+    def _uniform(self, key: np.ndarray) -> np.ndarray:
+        """(n, candidates) uniforms in [0, 1) from (n,) uint64 keys."""
+        bits = _mix(key[:, None] + self._columns) >> np.uint64(40)
+        return bits.astype(np.float32) * np.float32(2.0**-24)
+
+    def rows(self, context: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Top-K ids (int64), logits (float32) and argmax after each row of ``context``, an
+        (n, window) array of the last tokens, oldest first; -1 = before the text."""
+        context = np.asarray(context, dtype=np.int64).reshape(-1, self.window)
+        shifted = (context + 1).astype(np.uint64)
+        last = context[:, -1]
+        pair = _mix(_mix(shifted[:, -2] ^ self._salt[0]) ^ shifted[:, -1])
+        whole = np.zeros(len(context), dtype=np.uint64)
+        for column in range(self.window):
+            whole = _mix(whole ^ shifted[:, column] ^ self._salt[column])
+        half = np.float32(0.5)
+        logits = (self._base[last] + self._noise[0] * (self._uniform(pair) - half)
+                  + self._noise[1] * (self._uniform(whole) - half))
         order = np.argsort(-logits, axis=1, kind="stable")[:, : self.top_k]
         ids = np.take_along_axis(self._next[last], order, axis=1)
         return ids, np.take_along_axis(logits, order, axis=1), ids[:, 0].copy()
 
+    def _context_of(self, tokens: Sequence[int]) -> np.ndarray:
+        padded = [-1] * self.window + list(tokens[-self.window:])
+        return np.array(padded[-self.window:], dtype=np.int64)[None]
+
     def sample_prompt(self, length: int = 384, seed: int = 0, temperature: float = 1.0) -> list[int]:
-        """A text sampled from the language (not greedy, so prompts differ and rarely loop)."""
+        """A text sampled from the language (not greedy, so prompts differ and do not loop)."""
         rng = np.random.default_rng(seed)
         tokens = [int(self._rank_to_token[rng.choice(self.vocab_size, p=self._rank_p)])]
-        prev = -1
         for _ in range(length - 1):
-            ids, logits, _ = self.rows(np.array([prev]), np.array([tokens[-1]]))
+            ids, logits, _ = self.rows(self._context_of(tokens))
             p = np.exp((logits[0] - logits[0].max()) / temperature)
-            prev = tokens[-1]
             tokens.append(int(ids[0, rng.choice(len(p), p=p / p.sum())]))
         return tokens
 
@@ -107,8 +127,7 @@ class SyntheticTarget:
         """Reference greedy continuation, one token at a time (what every decode must output)."""
         tokens = list(prompt)
         for _ in range(max_new_tokens):
-            prev = tokens[-2] if len(tokens) > 1 else -1
-            tokens.append(int(self.rows(np.array([prev]), np.array([tokens[-1]]))[2][0]))
+            tokens.append(int(self.rows(self._context_of(tokens))[2][0]))
         return tokens[len(prompt):]
 
     # ---------------------------------------------------------------- target interface
@@ -117,9 +136,9 @@ class SyntheticTarget:
         ids = np.asarray(inputs, dtype=np.int64).reshape(-1)
         if not len(ids):
             raise ValueError("empty prompt")
-        prev = np.concatenate([[-1], ids[:-1]])
-        topk_ids, topk_logits, argmax = self.rows(prev, ids)
-        self._prev, self._root, self._tree = int(ids[-1]), -1, None
+        padded = np.concatenate([np.full(self.window - 1, -1, dtype=np.int64), ids])
+        topk_ids, topk_logits, argmax = self.rows(np.lib.stride_tricks.sliding_window_view(padded, self.window))
+        self._tail, self._root, self._tree = padded[-(self.window - 1):].tolist(), -1, None
         self.past_len = len(ids)
         rows = PromptRows(ids=ids, topk_ids=topk_ids, topk_logits=topk_logits, eligible=np.ones(len(ids), dtype=bool),
                           vocab_size=self.vocab_size, excluded_tokens=self.excluded_tokens)
@@ -127,20 +146,28 @@ class SyntheticTarget:
 
     def verify(self, root: int, tree: DraftTree) -> VerifiedTree:
         """Top-K and argmax at every packed position (root = 0, node i = i + 1), each from its
-        own path context (parent token, own token)."""
-        packed = np.concatenate([[root], tree.tokens]).astype(np.int64)
-        prev = np.concatenate([[self._prev], packed[tree.parents + 1]])
-        topk_ids, topk_logits, argmax = self.rows(prev, packed)
+        own path context (committed tail, root, then the node's ancestors)."""
+        tail = len(self._tail)
+        extended = np.array([*self._tail, root, *tree.tokens.tolist()], dtype=np.int64)
+        # parent[j]: index in `extended` of the token before j on j's path (-1: none).
+        parent = np.concatenate([np.arange(-1, tail), tree.parents + 1 + tail])
+        column = np.arange(tail, len(extended))
+        context = np.empty((len(column), self.window), dtype=np.int64)
+        for k in range(self.window - 1, -1, -1):
+            context[:, k] = np.where(column >= 0, extended[column], -1)
+            column = np.where(column >= 0, parent[column], -1)
+        topk_ids, topk_logits, argmax = self.rows(context)
         self._root, self._tree = int(root), tree
         return VerifiedTree(tree=tree, topk_ids=topk_ids, topk_logits=topk_logits, argmax=argmax,
                             accepted=tree.accept(argmax))
 
     def commit(self, accepted: Sequence[int]) -> None:
-        """The next root follows the last accepted node (or the root itself)."""
+        """Root and accepted nodes become context; the bonus token is the next root."""
         if self._tree is None:
             raise RuntimeError("commit() before verify()")
-        self._prev = int(self._tree.tokens[accepted[-1]]) if len(accepted) else self._root
-        self.past_len += 1 + len(accepted)
+        kept = [self._root, *(int(self._tree.tokens[i]) for i in accepted)]
+        self._tail = [*self._tail, *kept][-(self.window - 1):]
+        self.past_len += len(kept)
         self._tree = None
 
     def release(self) -> None:
@@ -152,17 +179,8 @@ def pack_tree(root: int, tree: DraftTree, past_len: int) -> tuple[np.ndarray, np
     """The host part of `TargetModel.verify` before the forward: packed tokens, positions and the
     additive (N, past_len + N) mask, as `recap.target.attention.tree_attention_mask` builds it
     (float32 here; the real target then converts to torch and copies to the device)."""
-    allowed = tree.ancestor_matrix()
-    n = len(tree) + 1
-    tokens = np.empty(n, dtype=np.int64)
-    tokens[0] = root
-    tokens[1:] = tree.tokens
-    depths = np.zeros(n, dtype=np.int64)
-    depths[1:] = tree.depths
-    positions = depths + past_len
-    mask = np.zeros((n, past_len + n), dtype=np.float32)
-    mask[:, past_len:] = np.where(allowed, 0.0, _MASK_MIN)
-    return tokens, positions, mask
+    tokens, depths = tree.packed(root)
+    return tokens, depths + past_len, additive_mask(tree.ancestor_matrix(), past_len, _MASK_MIN)
 
 
 def _timed_propose(proposer: RecapProposer, history: Sequence[int],

@@ -9,6 +9,7 @@ Ablation modes replace one ingredient at a time.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 
 from recap.core.memory import Row
 
@@ -19,35 +20,35 @@ both. ``gate``: the most confident row alone (ties: the more specific). ``backof
 specific row alone. ``unigram``: U alone (the caller retrieves only U)."""
 
 
-def _top(tokens: Sequence[int], probs: Sequence[float], k: int) -> tuple[list[int], list[float]]:
-    if len(tokens) > k:
-        tokens, probs = list(tokens[:k]), list(probs[:k])
-    total = sum(probs)
-    return list(tokens), [p / total for p in probs]
+def _top(tokens: Sequence[int], probs: Sequence[float], k: int) -> tuple[Sequence[int], Sequence[float]]:
+    if len(tokens) <= k:
+        return tokens, probs  # stored rows are already normalised
+    total = sum(probs[:k])
+    return tokens[:k], [p / total for p in probs[:k]]
 
 
 def fuse(rows: Sequence[Row], k: int = 8, mode: str = "entropy",
-         priors: Sequence[float] = PRIORS) -> tuple[list[int], list[float]]:
+         priors: Sequence[float] = PRIORS) -> tuple[Sequence[int], Sequence[float]]:
     """Fused proposal q(. | h): up to ``k`` tokens with probabilities, highest first.
-    No rows -> empty lists (expansion ends at this node)."""
+    No rows -> empty (expansion ends at this node)."""
     if not rows:
-        return [], []
+        return (), ()
     if len(rows) == 1 or mode in ("backoff", "unigram"):
-        return _top(rows[0].ids, rows[0].probs, k)
+        return _top(rows[0][0], rows[0][1], k)
     if mode == "gate":
-        best = max(range(len(rows)), key=lambda j: (rows[j].confidence, -j))
-        return _top(rows[best].ids, rows[best].probs, k)
+        best = max(range(len(rows)), key=lambda j: (rows[j][2], -j))
+        return _top(rows[best][0], rows[best][1], k)
     use_prior = mode in ("entropy", "no-confidence")
     use_confidence = mode in ("entropy", "no-prior")
-    weights = [(priors[j] if use_prior else 1.0) * (row.confidence if use_confidence else 1.0)
-               for j, row in enumerate(rows)]
+    weights = [(priors[j] if use_prior else 1.0) * (row[2] if use_confidence else 1.0) for j, row in enumerate(rows)]
     norm = sum(weights)
     mixture: dict[int, float] = {}
-    for weight, row in zip(weights, rows):
+    get = mixture.get
+    for weight, (ids, probs, _) in zip(weights, rows):
         w = weight / norm
-        for token, p in zip(row.ids, row.probs):
-            mixture[token] = mixture.get(token, 0.0) + w * p
+        for token, p in zip(ids, probs):
+            mixture[token] = get(token, 0.0) + w * p
     # Stable sort: equal masses keep first-seen order, i.e. the more specific row's order.
-    ranked = sorted(mixture.items(), key=lambda item: -item[1])[:k]
+    ranked = sorted(mixture.items(), key=itemgetter(1), reverse=True)[:k]
     total = sum(p for _, p in ranked)
     return [t for t, _ in ranked], [p / total for _, p in ranked]

@@ -10,18 +10,24 @@ recently written row; within one verification batch the first occurrence of a ke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+import sys
+from collections.abc import Sequence
 
 import numpy as np
 
 from recap.core.steps import PromptRows, VerifiedTree
 
+Row = tuple[tuple[int, ...], tuple[float, ...], float]
+"""(ids highest first, probabilities, confidence). Plain tuples: cheap to build on the hot
+path, and the garbage collector stops tracking them, so a large memory costs no GC time."""
 
-@dataclass(frozen=True, slots=True)
-class Row:
-    ids: tuple[int, ...]
-    probs: tuple[float, ...]
-    confidence: float
+
+def make_row(ids: Sequence[int], probs: Sequence[float], confidence: float | None = None) -> Row:
+    """A row from explicit values; the confidence defaults to exp(-entropy(probs))."""
+    if confidence is None:
+        confidence = math.exp(sum(p * math.log(p) for p in probs if p > 0))
+    return tuple(int(i) for i in ids), tuple(float(p) for p in probs), float(confidence)
 
 
 def rows_from_logits(topk_ids: np.ndarray, topk_logits: np.ndarray) -> list[Row]:
@@ -33,8 +39,7 @@ def rows_from_logits(topk_ids: np.ndarray, topk_logits: np.ndarray) -> list[Row]
     with np.errstate(divide="ignore", invalid="ignore"):
         entropy = -np.where(probs > 0, probs * np.log(probs), 0.0).sum(axis=1)
     confidence = np.exp(-entropy)
-    return [Row(tuple(i), tuple(p), c)
-            for i, p, c in zip(np.asarray(topk_ids).tolist(), probs.tolist(), confidence.tolist())]
+    return list(zip(map(tuple, np.asarray(topk_ids).tolist()), map(tuple, probs.tolist()), confidence.tolist()))
 
 
 class PredictionMemory:
@@ -78,12 +83,18 @@ class PredictionMemory:
         return len(self.unigram) + len(self.bigram) + len(self.trigram)
 
     def nbytes(self) -> int:
-        """Approximate payload size: K ids (int32) + K probs (float32) + confidence per row,
-        plus the key tokens (int32)."""
-        total = 0
-        for table, key_len in ((self.unigram, 1), (self.bigram, 2), (self.trigram, 3)):
-            for row in table.values():
-                total += 8 * len(row.ids) + 4 + 4 * key_len
+        """Bytes of Python objects the maps hold: dict tables, keys, and each row (tuple, ids,
+        probabilities) counted once even when several keys share it."""
+        total = sum(sys.getsizeof(table) for table in (self.unigram, self.bigram, self.trigram))
+        seen: set[int] = set()
+        for table in (self.unigram, self.bigram, self.trigram):
+            for key, row in table.items():
+                total += sys.getsizeof(key) + (sum(map(sys.getsizeof, key)) if isinstance(key, tuple) else 0)
+                if id(row) not in seen:
+                    seen.add(id(row))
+                    ids, probs, confidence = row
+                    total += sys.getsizeof(row) + sys.getsizeof(ids) + sys.getsizeof(probs) + sys.getsizeof(confidence)
+                    total += sum(map(sys.getsizeof, ids)) + sum(map(sys.getsizeof, probs))
         return total
 
     # -------------------------------------------------------------- writes
@@ -99,9 +110,10 @@ class PredictionMemory:
         rows = rows_from_logits(prompt.topk_ids[positions], prompt.topk_logits[positions])
         self.unigram.update(zip(first.keys(), rows))
 
-    def refresh(self, history: list[int], step: VerifiedTree, *, unigram: bool = True, contextual: bool = True) -> None:
+    def refresh(self, history: Sequence[int], step: VerifiedTree, *, contextual: bool = True) -> None:
         """Store the rows of every evaluated node (root, accepted and rejected) under its path
-        context. ``history`` ends with the root token. First occurrence in the batch wins."""
+        context. ``history`` ends with the root token (its last three tokens are enough).
+        First occurrence in the batch wins. ``contextual=False`` writes U only."""
         tree = step.tree
         rows = rows_from_logits(step.topk_ids, step.topk_logits)
         tokens = [history[-1], *tree.tokens.tolist()]
@@ -111,20 +123,11 @@ class PredictionMemory:
         for parent in tree.parents.tolist():
             prev1.append(tokens[parent + 1])
             prev2.append(prev1[parent + 1])
-        seen_u: set[int] = set()
-        seen_c: set[tuple[int, int]] = set()
-        seen_g: set[tuple[int, int, int]] = set()
-        for x, v, u, row in zip(tokens, prev1, prev2, rows):
-            if unigram and x not in seen_u:
-                seen_u.add(x)
-                self.unigram[x] = row
+        # Written last to first, so the first occurrence of a key in the batch is what stays.
+        unigram, bigram, trigram = self.unigram, self.bigram, self.trigram
+        for x, v, u, row in zip(reversed(tokens), reversed(prev1), reversed(prev2), reversed(rows)):
+            unigram[x] = row
             if contextual and v is not None:
-                key2 = (v, x)
-                if key2 not in seen_c:
-                    seen_c.add(key2)
-                    self.bigram[key2] = row
+                bigram[(v, x)] = row
                 if u is not None:
-                    key3 = (u, v, x)
-                    if key3 not in seen_g:
-                        seen_g.add(key3)
-                        self.trigram[key3] = row
+                    trigram[(u, v, x)] = row

@@ -42,13 +42,13 @@ def save_token_memory(path: str | os.PathLike, unigram: dict[int, Row], *, vocab
     from safetensors.numpy import save_file
 
     keys = np.array(sorted(unigram), dtype=np.int64)
-    top_k = max((len(unigram[k].ids) for k in unigram), default=0)
+    top_k = max((len(unigram[k][0]) for k in unigram), default=0)
     ids = np.zeros((len(keys), top_k), dtype=np.int64)
     probs = np.zeros((len(keys), top_k), dtype=np.float32)
     for i, key in enumerate(keys.tolist()):
-        row = unigram[key]
-        ids[i, : len(row.ids)] = row.ids
-        probs[i, : len(row.probs)] = row.probs
+        row_ids, row_probs, _ = unigram[key]
+        ids[i, : len(row_ids)] = row_ids
+        probs[i, : len(row_probs)] = row_probs
     metadata = {"format": FORMAT, "version": VERSION, "vocab_size": str(vocab_size), "top_k": str(top_k),
                 "sha256": _checksum(keys, ids, probs)}
     path = os.fspath(path)

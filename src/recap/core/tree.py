@@ -40,6 +40,16 @@ class DraftTree:
         self._children: list[dict[int, int]] | None = None
 
     @classmethod
+    def _trusted(cls, tokens: list[int], parents: list[int], depths: list[int]) -> DraftTree:
+        """Skip validation and depth recomputation for arrays a `TreeBuilder` made."""
+        tree = cls.__new__(cls)
+        tree.tokens = np.array(tokens, dtype=np.int64)
+        tree.parents = np.array(parents, dtype=np.int64)
+        tree.depths = np.array(depths, dtype=np.int64)
+        tree._children = None
+        return tree
+
+    @classmethod
     def empty(cls) -> DraftTree:
         """No draft at all: verification degenerates to one autoregressive step."""
         return cls(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
@@ -75,12 +85,23 @@ class DraftTree:
         """Boolean (n+1, n+1) matrix over packed positions: [a, b] is True when b is a or an
         ancestor of a. Row a is exactly what packed position a may attend to in the tree."""
         n = len(self)
-        allowed = np.zeros((n + 1, n + 1), dtype=bool)
+        allowed = np.eye(n + 1, dtype=bool)
         allowed[:, 0] = True
-        allowed[np.arange(n + 1), np.arange(n + 1)] = True
-        for i, parent in enumerate(self.parents.tolist()):
-            allowed[i + 1] |= allowed[parent + 1]
+        # One vectorised step per depth level: a node inherits its parent's row.
+        for depth in range(2, self.max_depth + 1):
+            level = np.flatnonzero(self.depths == depth)
+            allowed[level + 1] |= allowed[self.parents[level] + 1]
         return allowed
+
+    def packed(self, root: int) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids and depths in packed order: the root at 0 (depth 0), node i at i + 1."""
+        n = len(self) + 1
+        tokens = np.empty(n, dtype=np.int64)
+        tokens[0] = root
+        tokens[1:] = self.tokens
+        depths = np.zeros(n, dtype=np.int64)
+        depths[1:] = self.depths
+        return tokens, depths
 
     def accept(self, argmax: Sequence[int] | np.ndarray) -> list[int]:
         """The greedy acceptance walk.
@@ -125,11 +146,11 @@ class TreeBuilder:
 
     def add(self, parent: int, token: int) -> int:
         """Index of the child ``token`` under ``parent``, created if missing."""
-        key = (parent, int(token))
+        key = (parent, token)
         node = self._index.get(key)
         if node is None:
             node = len(self.tokens)
-            self.tokens.append(int(token))
+            self.tokens.append(token)
             self.parents.append(parent)
             self.depths.append(1 if parent == ROOT else self.depths[parent] + 1)
             self._index[key] = node
@@ -144,4 +165,13 @@ class TreeBuilder:
         return nodes
 
     def build(self) -> DraftTree:
-        return DraftTree(self.tokens, self.parents)
+        return DraftTree._trusted(self.tokens, self.parents, self.depths)
+
+
+def additive_mask(allowed: np.ndarray, past_len: int, blocked: float) -> np.ndarray:
+    """(N, past_len + N) float32 mask: 0 where a packed position may attend (the whole cached
+    prefix, and its ancestors-or-self from ``allowed``), ``blocked`` elsewhere."""
+    n = allowed.shape[0]
+    mask = np.zeros((n, past_len + n), dtype=np.float32)
+    mask[:, past_len:] = np.where(allowed, np.float32(0.0), np.float32(blocked))
+    return mask

@@ -81,6 +81,8 @@ class RecapProposer(BaseProposer):
         self._excluded: frozenset[int] = frozenset()
         self._context: list[int] = []
         self._pending_memory = None
+        self._fusion_cache: dict[tuple, tuple] = {}
+        self._etas = [0.0] + [self.config.depth_prior(d) for d in range(1, self.config.max_depth + 1)]
         if memory_file is not None:
             self.load_memory(memory_file)
 
@@ -88,6 +90,7 @@ class RecapProposer(BaseProposer):
     def reset_stream(self) -> None:
         """Forget everything, U included: a new stream starts."""
         self.memory.reset_stream()
+        self._fusion_cache.clear()
 
     def begin_request(self, prompt: PromptRows) -> None:
         self.prompt = prompt
@@ -101,6 +104,7 @@ class RecapProposer(BaseProposer):
             self.memory.reset_stream()
         self.memory.seed_from_prompt(prompt)
         self._excluded = prompt.excluded_tokens
+        self._fusion_cache.clear()
         self.automaton = SuffixAutomaton(prompt.ids.tolist()) if self.config.suffix_tokens else SuffixAutomaton()
 
     def end_request(self) -> None:
@@ -122,57 +126,68 @@ class RecapProposer(BaseProposer):
             builder.add_path(ROOT, continuation)
         return builder.build()
 
-    def fused(self, u: int | None, v: int | None, x: int) -> tuple[list[int], list[float]]:
+    def fused(self, u: int | None, v: int | None, x: int) -> tuple[Sequence[int], Sequence[float]]:
         """q(. | ..., u, v, x): retrieval and fusion for one path context, image tokens removed,
-        at most ``width`` children."""
-        config = self.config
-        if config.fusion == "unigram":
-            row = self.memory.unigram.get(x)
+        at most ``width`` children. Memoised per context within one `build_tree` call (the
+        memory does not change during a proposal)."""
+        key = (u, v, x)
+        cached = self._fusion_cache.get(key)
+        if cached is not None:
+            return cached
+        memory = self.memory
+        if self.config.fusion == "unigram":
+            row = memory.unigram.get(x)
             rows = [row] if row is not None else []
         else:
-            rows = self.memory.lookup(u, v, x)
+            rows = memory.lookup(u, v, x)
+        config = self.config
         tokens, probs = fuse(rows, config.top_k, config.fusion, config.priors)
-        if self._excluded and any(t in self._excluded for t in tokens):
+        if self._excluded and not self._excluded.isdisjoint(tokens):
             kept = [(t, p) for t, p in zip(tokens, probs) if t not in self._excluded]
             tokens, probs = [t for t, _ in kept], [p for _, p in kept]
-        return tokens[: config.width], probs[: config.width]
+        if len(tokens) > config.width:
+            tokens, probs = tokens[: config.width], probs[: config.width]
+        self._fusion_cache[key] = (tokens, probs)
+        return tokens, probs
 
     def build_tree(self, context: Sequence[int]) -> TreeBuilder:
         """Best-first expansion by path score prod_j eta_j q(z_j | h_j).
 
         Children of a node are sorted by q, so the heap only ever holds, per expanded node,
         its best not-yet-added child: popping a child pushes its next sibling and its own
-        first child. Fusion results are memoised per (u, v, x) context within one call.
+        first child. Children of one parent are distinct, so no duplicate check is needed.
         """
         config = self.config
+        etas = self._etas
+        self._fusion_cache.clear()
         padded = [None, None, *context][-3:]
         root_context = (padded[0], padded[1], padded[2])
-        memo: dict[tuple, tuple[list[int], list[float]]] = {root_context: self.fused(*root_context)}
+        fused = self.fused
         builder = TreeBuilder()
-        heap: list[tuple[float, int, int, tuple, int, float, int]] = []
-        counter = 0
-        tokens, probs = memo[root_context]
+        add = builder.add
+        heap: list[tuple[float, int, int, tuple, int, float, int, Sequence[int], Sequence[float]]] = []
+        push, pop = heapq.heappush, heapq.heappop
+        tokens, probs = fused(*root_context)
         if tokens:
-            heap.append((-config.depth_prior(1) * probs[0], counter, ROOT, root_context, 0, 1.0, 1))
-        while heap and len(builder) < config.budget:
-            negative, _, parent, parent_context, index, parent_score, depth = heapq.heappop(heap)
-            tokens, probs = memo[parent_context]
+            heap.append((-etas[1] * probs[0], 0, ROOT, root_context, 0, 1.0, 1, tokens, probs))
+        counter = 0
+        budget, max_depth = config.budget, config.max_depth
+        while heap and len(builder.tokens) < budget:
+            negative, _, parent, parent_context, index, parent_score, depth, tokens, probs = pop(heap)
             token = tokens[index]
-            node = builder.add(parent, token)
-            score = -negative
+            node = add(parent, token)
             counter += 1
             if index + 1 < len(tokens):
-                sibling = parent_score * config.depth_prior(depth) * probs[index + 1]
-                heapq.heappush(heap, (-sibling, counter, parent, parent_context, index + 1, parent_score, depth))
-            if depth < config.max_depth:
+                sibling = parent_score * etas[depth] * probs[index + 1]
+                push(heap, (-sibling, counter, parent, parent_context, index + 1, parent_score, depth, tokens, probs))
+            if depth < max_depth:
                 child_context = (parent_context[1], parent_context[2], token)
-                children = memo.get(child_context)
-                if children is None:
-                    children = memo[child_context] = self.fused(*child_context)
-                if children[0]:
+                child_tokens, child_probs = fused(*child_context)
+                if child_tokens:
                     counter += 1
-                    first = score * config.depth_prior(depth + 1) * children[1][0]
-                    heapq.heappush(heap, (-first, counter, node, child_context, 0, score, depth + 1))
+                    score = -negative
+                    push(heap, (-score * etas[depth + 1] * child_probs[0], counter, node, child_context, 0, score,
+                                depth + 1, child_tokens, child_probs))
         return builder
 
     # ------------------------------------------------------------------ learning

@@ -11,6 +11,8 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from recap.core.tree import additive_mask
+
 
 def tree_attention_mask(allowed: np.ndarray, past_len: int, dtype: torch.dtype,
                         device: torch.device | str) -> torch.Tensor:
@@ -20,9 +22,7 @@ def tree_attention_mask(allowed: np.ndarray, past_len: int, dtype: torch.dtype,
     cached prefix are always visible. A boolean mask would be silently wrong under eager
     attention, hence 0 / ``finfo.min``.
     """
-    n = allowed.shape[0]
-    mask = np.zeros((n, past_len + n), dtype=np.float32)
-    mask[:, past_len:] = np.where(allowed, 0.0, np.float32(torch.finfo(dtype).min))
+    mask = additive_mask(allowed, past_len, torch.finfo(dtype).min)
     return torch.from_numpy(mask).to(device=device, dtype=dtype)[None, None]
 
 

@@ -139,12 +139,7 @@ class TargetModel:
         """One forward over [root] + tree nodes, each seeing the prefix and its ancestors."""
         if self.cache is None:
             raise RuntimeError("verify() before prefill()")
-        n = len(tree) + 1
-        tokens = np.empty(n, dtype=np.int64)
-        tokens[0] = root
-        tokens[1:] = tree.tokens
-        depths = np.zeros(n, dtype=np.int64)
-        depths[1:] = tree.depths
+        tokens, depths = tree.packed(root)
         out = self.model(
             input_ids=torch.from_numpy(tokens).to(self.device)[None],
             position_ids=tree_positions(depths, self.past_len, self.position_offset, self.device),
@@ -152,7 +147,7 @@ class TargetModel:
             cache=self.cache,
             use_cache=True,
         )
-        self._packed = n
+        self._packed = len(tokens)
         ids, logits, argmax = self._top_rows(out.logits[0])
         return VerifiedTree(tree=tree, topk_ids=ids, topk_logits=logits, argmax=argmax,
                             accepted=tree.accept(argmax))

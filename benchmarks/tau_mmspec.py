@@ -1,0 +1,105 @@
+"""Acceptance length tau of RECAP (and its ablations) against AR on MMSpec questions.
+
+    .venv/bin/python benchmarks/tau_mmspec.py --model smollm2-135m --dtype float32 --per-topic 10 \\
+        --configs recap,no-confidence,gate --out out/tau-fp32.jsonl
+
+Text-only: the model sees the first question of each item without its image (SmolLM2 is a
+text model). Per topic, every configuration is a fresh stream (U cleared at the topic
+boundary, then carried across the topic's inputs; C/G reset per request), as in the paper.
+Each input runs AR first (the reference) and then every configuration; any output that
+differs from AR is counted as a mismatch. Rows are appended to ``--out`` as they finish, and
+a rerun skips the (topic, item, config) rows already there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+import recap
+from recap.proposers import RecapProposer
+
+DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmspec" / "mmspec.jsonl"
+
+
+def load_items(path: Path, per_topic: int) -> dict[str, list[dict]]:
+    topics: dict[str, list[dict]] = defaultdict(list)
+    with open(path) as handle:
+        for line in handle:
+            item = json.loads(line)
+            if len(topics[item["topic"]]) < per_topic:
+                topics[item["topic"]].append(item)
+    return dict(topics)
+
+
+def make(config: str) -> RecapProposer:
+    return RecapProposer() if config == "recap" else RecapProposer(ablation=config)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--data", default=str(DEFAULT_DATA))
+    parser.add_argument("--per-topic", type=int, default=10)
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--configs", default="recap")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    configs = args.configs.split(",")
+    target = recap.load(args.model, dtype=args.dtype)
+    done = set()
+    if os.path.exists(args.out):
+        with open(args.out) as handle:
+            done = {(r["topic"], r["id"], r["config"]) for r in map(json.loads, handle)}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as out:
+        for topic, items in load_items(Path(args.data), args.per_topic).items():
+            streams = {config: make(config) for config in configs}  # fresh streams per topic
+            for item in items:
+                inputs = target.prepare(item["turns"][0])
+                reference = recap.decode(target, recap.make_proposer("ar"), inputs,
+                                         max_new_tokens=args.max_new_tokens)
+                for config in configs:
+                    if (topic, item["id"], config) in done:
+                        continue
+                    result = recap.decode(target, streams[config], inputs, max_new_tokens=args.max_new_tokens)
+                    row = {"topic": topic, "id": item["id"], "config": config, "dtype": args.dtype,
+                           "tokens": len(result.tokens), "iterations": len(result.iterations), "tau": result.tau,
+                           "identical": result.tokens == reference.tokens,
+                           "mean_tree": statistics.mean(it.draft_size for it in result.iterations)
+                           if result.iterations else 0.0,
+                           "u_rows": len(streams[config].memory.unigram), "threads": torch.get_num_threads()}
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+                    print(f"{topic:>18} {item['id']} {config:>14} tau {result.tau:.2f} "
+                          f"{'ok' if row['identical'] else 'MISMATCH'}", flush=True)
+    summarise(args.out)
+
+
+def summarise(path: str) -> None:
+    """Per config: tau (mean over inputs of per-input tau) per topic and overall, mismatches."""
+    with open(path) as handle:
+        rows = [json.loads(line) for line in handle]
+    by_config: dict[str, list[dict]] = defaultdict(list)
+    for row in rows:
+        by_config[row["config"]].append(row)
+    topics = sorted({row["topic"] for row in rows})
+    print(f"{'config':>14} " + " ".join(f"{t[:12]:>12}" for t in topics) + f" {'overall':>8} mismatches")
+    for config, config_rows in by_config.items():
+        per_topic = [statistics.mean(r["tau"] for r in config_rows if r["topic"] == t) for t in topics]
+        overall = statistics.mean(r["tau"] for r in config_rows)
+        mismatches = sum(not r["identical"] for r in config_rows)
+        print(f"{config:>14} " + " ".join(f"{v:12.2f}" for v in per_topic) + f" {overall:8.2f} {mismatches}")
+
+
+if __name__ == "__main__":
+    main()
