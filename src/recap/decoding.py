@@ -70,6 +70,11 @@ def decode(target: TargetModel, proposer: Proposer, inputs: ModelInputs, *, max_
     The output equals ``model.generate(do_sample=False)``; the proposer only changes speed."""
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    window = getattr(target, "sliding_window", None)
+    if window is not None and inputs.input_ids.shape[1] + max_new_tokens > window:
+        raise InputError(f"prompt ({inputs.input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                         f"the model's sliding attention window of {window} tokens, beyond which tree verification "
+                         "is not exact")
     eos = frozenset(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
     clock = time.perf_counter
     start = clock()

@@ -53,6 +53,7 @@ class TargetModel:
         self.text_config = model.config.get_text_config(decoder=True)
         self.vocab_size = int(self.text_config.vocab_size)
         self.max_context = int(getattr(self.text_config, "max_position_embeddings", 0) or 1 << 30)
+        self.sliding_window = _sliding_window(self.text_config)
         self.excluded_tokens = frozenset(self._image_token_ids())
         self.cache: DynamicCache | None = None
         self.past_len = 0
@@ -189,6 +190,17 @@ class TargetModel:
         input_ids = inputs.input_ids.to(self.device)
         out = self.model.generate(input_ids=input_ids, generation_config=config, **kwargs)
         return out[0, input_ids.shape[1]:].tolist()
+
+
+def _sliding_window(config: Any) -> int | None:
+    """The attention window of sliding-window layers, if the model has any.
+
+    The tree mask gives every node the whole cached prefix, which equals sliding-window
+    attention only while the sequence fits in the window; `decode` refuses longer runs."""
+    layer_types = getattr(config, "layer_types", None) or []
+    window = getattr(config, "sliding_window", None)
+    uses_window = "sliding_attention" in layer_types or getattr(config, "use_sliding_window", False)
+    return int(window) if uses_window and window else None
 
 
 def _flatten_text(messages: list[Message]) -> str:
