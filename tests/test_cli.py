@@ -44,3 +44,13 @@ def test_overhead_json_has_the_per_iteration_total(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["total_ms_median"] > 0 and result["method"] == "recap"
     assert {"propose", "packing", "observe", "fusion", "refresh"} <= set(result["stages"])
+
+
+def test_demo_runs_and_checks_identity(capsys):
+    assert main(["demo", "--model", "tiny-llama", "--max-new-tokens", "6", "--methods", "pld,recap"]) == 0
+    out = capsys.readouterr().out
+    assert "outputs identical to AR: yes" in out and "recap" in out
+
+
+def test_demo_refuses_unknown_methods(capsys):
+    assert main(["demo", "--model", "tiny-llama", "--methods", "ar"]) == 2

@@ -105,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="AR vs a drafter on SmolLM2: identical outputs, speedup")
     demo.add_argument("--model", default="smollm2-135m")
-    demo.add_argument("--method", choices=list(PROPOSERS), default="pld")
+    demo.add_argument("--methods", default="pld,recap", help="comma-separated methods to compare with AR")
+    demo.add_argument("--budget", type=int, default=None, help="recap: tree candidates, root excluded")
     demo.add_argument("--dtype", choices=list(DTYPES), default="float32")
     demo.add_argument("--threads", type=_positive, default=1)
     demo.add_argument("--max-new-tokens", type=int, default=64)
@@ -127,8 +128,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _overhead(args)
         from recap.demo import run_demo
 
-        return run_demo(args.model, args.method, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                        threads=args.threads)
+        methods = tuple(m for m in args.methods.split(",") if m)
+        unknown = [m for m in methods if m not in PROPOSERS or m in ("ar", "decoy", "random")]
+        if unknown or not methods:
+            real = [m for m in PROPOSERS if m not in ("ar", "decoy", "random")]
+            raise InputError(f"--methods takes drafting methods ({', '.join(real)}); "
+                             f"got {args.methods!r}")
+        return run_demo(args.model, methods, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
+                        budget=args.budget)
     except InputError as error:
         print(f"recap: error: {error}", file=sys.stderr)
         return 2
