@@ -43,7 +43,7 @@ def test_overhead_json_has_the_per_iteration_total(capsys):
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["total_ms_median"] > 0 and result["method"] == "recap"
-    assert {"propose", "packing", "observe", "fusion", "refresh"} <= set(result["stages"])
+    assert {"propose", "packing", "observe", "search", "suffix", "refresh", "automaton"} <= set(result["stages"])
 
 
 def test_demo_runs_and_checks_identity(capsys):

@@ -171,7 +171,7 @@ def test_request_reset_clears_contextual_maps_but_keeps_unigram():
 
 # ----------------------------------------------------------------------------- tree
 def _proposer_with_unigram(rows, **config):
-    proposer = RecapProposer(suffix_tokens=0, **config)
+    proposer = RecapProposer(suffix_tokens=0, engine="python", **config)
     proposer.begin_request(_prompt([500, 501]))
     proposer.memory.unigram.clear()
     proposer.memory.unigram.update(rows)
@@ -212,7 +212,7 @@ def test_deeper_context_uses_fused_rows():
 
 
 def test_suffix_continuation_shares_the_tree_prefix():
-    proposer = RecapProposer(budget=2)
+    proposer = RecapProposer(budget=2, engine="python")
     # Prompt 1 3 10 20 99 7 ... then history ends with 3: the automaton continues 10 20 99 7.
     proposer.begin_request(_prompt([1, 3, 10, 20, 99, 7, 8]))
     proposer.memory.unigram.clear()

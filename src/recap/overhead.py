@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recap.core import ROOT, DraftTree, PromptRows, VerifiedTree
+from recap.core import DraftTree, PromptRows, VerifiedTree
 from recap.core.tree import additive_mask
 from recap.proposers import Proposer, RecapProposer, make_proposer
 
@@ -185,51 +185,48 @@ def pack_tree(root: int, tree: DraftTree, past_len: int) -> tuple[np.ndarray, np
 
 def _timed_propose(proposer: RecapProposer, history: Sequence[int],
                    clock: Callable[[], float]) -> tuple[DraftTree, dict[str, float]]:
-    """`RecapProposer.propose` step by step, with ``fused`` wrapped on this instance only for the
-    call. The sequence mirrors ``propose``; `run_overhead` checks every tree against the
-    un-instrumented pass, so a divergence from the real method raises instead of misleading."""
-    config = proposer.config
+    """`RecapProposer.propose` stage by stage (it is exactly these calls). With the Python
+    engine, ``fused`` is wrapped on this instance during the call to time lookup + fusion; the
+    numba engine does lookup, fusion and search in one compiled call, reported as ``search``."""
     fusion = 0.0
-    fused = proposer.fused
+    wrapped = proposer.config.engine == "python"
+    if wrapped:
+        fused = proposer.fused
 
-    def timed_fused(u: int | None, v: int | None, x: int) -> tuple[list[int], list[float]]:
-        nonlocal fusion
-        start = clock()
-        out = fused(u, v, x)
-        fusion += clock() - start
-        return out
+        def timed_fused(u: int | None, v: int | None, x: int):
+            nonlocal fusion
+            start = clock()
+            out = fused(u, v, x)
+            fusion += clock() - start
+            return out
 
-    proposer.fused = timed_fused  # type: ignore[method-assign]
+        proposer.fused = timed_fused  # type: ignore[method-assign]
     try:
         t0 = clock()
-        if config.suffix_tokens:
-            for token in history[len(proposer.automaton):]:
-                proposer.automaton.extend(token)
+        proposer.sync_automaton(history)
         t1 = clock()
         proposer._context = list(history[-3:])
-        builder = proposer.build_tree(proposer._context)
+        tokens, parents, depths = proposer.search(proposer._context)
         t2 = clock()
-        if config.suffix_tokens:
-            continuation = []
-            for token in proposer.automaton.continuation(config.suffix_tokens):
-                if token in proposer._excluded:
-                    break
-                continuation.append(token)
-            builder.add_path(ROOT, continuation)
+        proposer.add_suffix(tokens, parents, depths)
         t3 = clock()
-        tree = builder.build()
+        tree = DraftTree._trusted(tokens, parents, depths)
         t4 = clock()
     finally:
-        del proposer.fused
+        if wrapped:
+            del proposer.fused
     total = t4 - t0
     suffix = (t1 - t0) + (t3 - t2)
-    return tree, {"total": total, "fusion": fusion, "suffix": suffix, "search": total - fusion - suffix}
+    split = {"total": total, "suffix": suffix, "search": total - fusion - suffix}
+    if wrapped:
+        split["fusion"] = fusion
+    return tree, split
 
 
 def _timed_observe(proposer: RecapProposer, step: VerifiedTree, clock: Callable[[], float]) -> dict[str, float]:
     """`RecapProposer.observe` split into the memory refresh and the automaton update."""
     t0 = clock()
-    proposer.memory.refresh(proposer._context, step, contextual=proposer.config.fusion != "unigram")
+    proposer.refresh(step)
     t1 = clock()
     if proposer.config.suffix_tokens:
         for token in step.committed:
@@ -350,6 +347,7 @@ def run_overhead(method: str = "recap", *, vocab: int = 49152, budget: int = 63,
     plain = _replay(build(), target, prompts, max_new_tokens)
     stages = {name: plain.times[name] for name in ("propose", "packing", "observe")}
     result: dict = {"method": method, "vocab": vocab, "budget": budget, "requests": requests,
+                    "engine": getattr(getattr(build(), "config", None), "engine", None),
                     "max_new_tokens": max_new_tokens, "seed": seed, "iterations": len(plain.trees)}
     proposer = build()
     if isinstance(proposer, RecapProposer):
@@ -360,7 +358,8 @@ def run_overhead(method: str = "recap", *, vocab: int = 49152, budget: int = 63,
         for total, parts in (("propose", ("fusion", "suffix", "search")), ("observe", ("refresh", "automaton"))):
             scale = np.asarray(plain.times[total]) / np.asarray(instrumented.times[total])
             for part in parts:
-                stages[part] = list(np.asarray(instrumented.times[part]) * scale)
+                if part in instrumented.times:
+                    stages[part] = list(np.asarray(instrumented.times[part]) * scale)
         ratio = np.asarray(instrumented.times["propose"]) / np.asarray(plain.times["propose"])
         result["instrumentation_overhead"] = float(np.median(ratio) - 1.0)
     totals = np.sum([plain.times[name] for name in ("propose", "packing", "observe")], axis=0)
@@ -391,15 +390,21 @@ _LABELS = {"propose": "propose", "fusion": "  lookup+fusion", "suffix": "  suffi
 
 def format_overhead(result: dict) -> str:
     """A readable table of `run_overhead`'s result."""
-    head = (f"{result['method']}  vocab={result['vocab']}  budget={result['budget']}  "
+    engine = f"  engine={result['engine']}" if result.get("engine") else ""
+    head = (f"{result['method']}{engine}  vocab={result['vocab']}  budget={result['budget']}  "
             f"iterations={result['iterations']}  tau={result['tau']:.2f}  "
             f"mean tree={result['mean_tree_size']:.1f} nodes")
     lines = [head, f"{'stage':<18}{'median ms':>11}{'p95 ms':>10}"]
-    for name in _LABELS:
+    labels = dict(_LABELS)
+    if "fusion" not in result["stages"]:
+        labels["search"] = "  search (lookup+fusion+best-first, one compiled call)"
+    width = max(18, *(len(label) + 2 for name, label in labels.items() if name in result["stages"]))
+    lines[-1] = f"{'stage':<{width}}{'median ms':>11}{'p95 ms':>10}"
+    for name in labels:
         if name in result["stages"]:
             stats = result["stages"][name]
-            lines.append(f"{_LABELS[name]:<18}{stats['median_ms']:>11.4f}{stats['p95_ms']:>10.4f}")
-    lines.append(f"{'total':<18}{result['total_ms_median']:>11.4f}{result['total_ms_p95']:>10.4f}")
+            lines.append(f"{labels[name]:<{width}}{stats['median_ms']:>11.4f}{stats['p95_ms']:>10.4f}")
+    lines.append(f"{'total':<{width}}{result['total_ms_median']:>11.4f}{result['total_ms_p95']:>10.4f}")
     if "instrumentation_overhead" in result:
         lines.append(f"(sub-stages from an instrumented pass, {result['instrumentation_overhead']:+.0%} "
                      "slower, rescaled to the plain stage times)")

@@ -97,6 +97,29 @@ class PredictionMemory:
                     total += sum(map(sys.getsizeof, ids)) + sum(map(sys.getsizeof, probs))
         return total
 
+    # -------------------------------------------------------------- persistence
+    def unigram_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """U as (keys [n] ascending, ids [n, K], probs [n, K]); narrower rows zero-padded."""
+        keys = np.array(sorted(self.unigram), dtype=np.int64)
+        width = max((len(row[0]) for row in self.unigram.values()), default=0)
+        ids = np.zeros((len(keys), width), dtype=np.int64)
+        probs = np.zeros((len(keys), width), dtype=np.float64)
+        for i, key in enumerate(keys.tolist()):
+            row_ids, row_probs, _ = self.unigram[key]
+            ids[i, : len(row_ids)] = row_ids
+            probs[i, : len(row_probs)] = row_probs
+        return keys, ids, probs
+
+    def load_unigram(self, keys: np.ndarray, ids: np.ndarray, probs: np.ndarray) -> None:
+        """U[keys[i]] <- row i. Log-probabilities go through the live-row code path as logits
+        (zero probabilities as -1e30), which renormalises and recomputes confidences."""
+        if not len(keys):
+            return
+        with np.errstate(divide="ignore"):
+            logits = np.log(np.asarray(probs))
+        rows = rows_from_logits(ids, np.where(np.isfinite(logits), logits, -1e30))
+        self.unigram.update(zip(np.asarray(keys).tolist(), rows))
+
     # -------------------------------------------------------------- writes
     def seed_from_prompt(self, prompt: PromptRows) -> None:
         """U[token] <- the prefill row at each eligible token's first occurrence in the prompt."""

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from recap.core.memory import PredictionMemory, Row, rows_from_logits
+from recap.core.fast import FastMemory
+from recap.core.memory import PredictionMemory
 from recap.errors import InputError
 
 FORMAT = "recap-token-memory"
@@ -36,20 +37,16 @@ def _checksum(keys: np.ndarray, ids: np.ndarray, probs: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def save_token_memory(path: str | os.PathLike, unigram: dict[int, Row], *, vocab_size: int) -> None:
-    """Write U atomically (temporary file, then rename): an interrupted save never leaves a
-    half-written file behind under ``path``."""
+def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray, probs: np.ndarray, *,
+                      vocab_size: int) -> None:
+    """Write U (keys [n], ids [n, K], probs [n, K]) atomically: a temporary file, then a
+    rename, so an interrupted save never leaves a half-written file under ``path``."""
     from safetensors.numpy import save_file
 
-    keys = np.array(sorted(unigram), dtype=np.int64)
-    top_k = max((len(unigram[k][0]) for k in unigram), default=0)
-    ids = np.zeros((len(keys), top_k), dtype=np.int64)
-    probs = np.zeros((len(keys), top_k), dtype=np.float32)
-    for i, key in enumerate(keys.tolist()):
-        row_ids, row_probs, _ = unigram[key]
-        ids[i, : len(row_ids)] = row_ids
-        probs[i, : len(row_probs)] = row_probs
-    metadata = {"format": FORMAT, "version": VERSION, "vocab_size": str(vocab_size), "top_k": str(top_k),
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    probs = np.ascontiguousarray(probs, dtype=np.float32)
+    metadata = {"format": FORMAT, "version": VERSION, "vocab_size": str(vocab_size), "top_k": str(ids.shape[1]),
                 "sha256": _checksum(keys, ids, probs)}
     path = os.fspath(path)
     temporary = f"{path}.tmp-{os.getpid()}"
@@ -67,16 +64,11 @@ class TokenMemoryFile:
     ids: np.ndarray
     probs: np.ndarray
 
-    def install(self, memory: PredictionMemory, vocab_size: int) -> None:
+    def install(self, memory: PredictionMemory | FastMemory, vocab_size: int) -> None:
         if vocab_size != self.vocab_size:
             raise MemoryFileError(f"memory file {self.path} was made for a vocabulary of {self.vocab_size} tokens; "
                                   f"this model has {vocab_size}")
-        # Rows are stored normalised; recompute confidences through the same code path as
-        # live rows by treating log-probabilities as logits.
-        with np.errstate(divide="ignore"):
-            logits = np.log(self.probs)
-        rows = rows_from_logits(self.ids, np.where(np.isfinite(logits), logits, -1e30))
-        memory.unigram.update(zip(self.keys.tolist(), rows))
+        memory.load_unigram(self.keys, self.ids, self.probs)
 
 
 def read_token_memory(path: str | os.PathLike) -> TokenMemoryFile:

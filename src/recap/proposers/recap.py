@@ -14,12 +14,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from os import PathLike
 
+import numpy as np
+
 from recap.core import ROOT, DraftTree, PromptRows, TreeBuilder, VerifiedTree
+from recap.core.fast import FastMemory, context_of
 from recap.core.fusion import FUSION_MODES, PRIORS, fuse
 from recap.core.memory import PredictionMemory
 from recap.core.suffix import SuffixAutomaton
 from recap.errors import InputError
 from recap.proposers.base import BaseProposer
+
+ENGINES = ("numba", "python")
 
 
 @dataclass(frozen=True)
@@ -37,8 +42,13 @@ class RecapConfig:
     fusion: str = "entropy"
     suffix_tokens: int = 4
     persistent_unigram: bool = True
+    engine: str = "numba"
+    """``numba``: memory, fusion and tree search compiled (`recap.core.fast`); ``python``: the
+    readable reference implementation (same trees, differentially tested)."""
 
     def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise InputError(f"unknown engine {self.engine!r}; choose one of: {', '.join(ENGINES)}")
         if self.fusion not in FUSION_MODES:
             raise InputError(f"unknown fusion mode {self.fusion!r}; choose one of: {', '.join(FUSION_MODES)}")
         for name in ("top_k", "width", "max_depth"):
@@ -75,25 +85,32 @@ class RecapProposer(BaseProposer):
                 raise InputError(f"unknown ablation {ablation!r}; choose one of: {', '.join(ABLATIONS)}")
             config = replace(config, **ABLATIONS[ablation])
         self.config = replace(config, **overrides) if overrides else config
-        self.memory = PredictionMemory()
+        self.memory: PredictionMemory | FastMemory | None = PredictionMemory() if self.config.engine == "python" \
+            else None  # the compiled memory needs the vocabulary size: made at the first request
         self.automaton = SuffixAutomaton()
         self.vocab_size: int | None = None
         self._excluded: frozenset[int] = frozenset()
+        self._excluded_mask: np.ndarray | None = None
         self._context: list[int] = []
         self._pending_memory = None
         self._fusion_cache: dict[tuple, tuple] = {}
         self._etas = [0.0] + [self.config.depth_prior(d) for d in range(1, self.config.max_depth + 1)]
+        self._eta_array = np.array(self._etas, dtype=np.float64)
+        self._prior_array = np.array(self.config.priors, dtype=np.float64)
         if memory_file is not None:
             self.load_memory(memory_file)
 
     # ------------------------------------------------------------------ stream / request
     def reset_stream(self) -> None:
         """Forget everything, U included: a new stream starts."""
-        self.memory.reset_stream()
+        if self.memory is not None:
+            self.memory.reset_stream()
         self._fusion_cache.clear()
 
     def begin_request(self, prompt: PromptRows) -> None:
         self.prompt = prompt
+        if self.config.engine == "numba" and (self.memory is None or self.vocab_size != prompt.vocab_size):
+            self.memory = FastMemory(prompt.vocab_size, self.config.top_k)  # another vocabulary: a new stream
         self.vocab_size = prompt.vocab_size
         if self._pending_memory is not None:
             self._pending_memory.install(self.memory, prompt.vocab_size)
@@ -102,29 +119,78 @@ class RecapProposer(BaseProposer):
             self.memory.reset_request()
         else:
             self.memory.reset_stream()
-        self.memory.seed_from_prompt(prompt)
-        self._excluded = prompt.excluded_tokens
+        if isinstance(self.memory, FastMemory):
+            self.memory.seed_from_prompt(prompt.ids, prompt.topk_ids, prompt.topk_logits, prompt.eligible)
+        else:
+            self.memory.seed_from_prompt(prompt)
+        if prompt.excluded_tokens != self._excluded or self._excluded_mask is None:
+            self._excluded = prompt.excluded_tokens
+            self._excluded_mask = None
+            if self._excluded:
+                self._excluded_mask = np.zeros(prompt.vocab_size, dtype=bool)
+                self._excluded_mask[[t for t in self._excluded if 0 <= t < prompt.vocab_size]] = True
         self._fusion_cache.clear()
         self.automaton = SuffixAutomaton(prompt.ids.tolist()) if self.config.suffix_tokens else SuffixAutomaton()
 
     def end_request(self) -> None:
         self.memory.reset_request()
 
+    def memory_counts(self) -> tuple[int, int, int]:
+        """Rows held by (U, C, G)."""
+        if self.memory is None:
+            return 0, 0, 0
+        if isinstance(self.memory, FastMemory):
+            return self.memory.counts()
+        return len(self.memory.unigram), len(self.memory.bigram), len(self.memory.trigram)
+
     # ------------------------------------------------------------------ drafting
     def propose(self, history: Sequence[int]) -> DraftTree:
+        self.sync_automaton(history)
+        self._context = list(history[-3:])
+        tokens, parents, depths = self.search(self._context)
+        self.add_suffix(tokens, parents, depths)
+        return DraftTree._trusted(tokens, parents, depths)
+
+    def sync_automaton(self, history: Sequence[int]) -> None:
+        """Feed the automaton the committed tokens it has not seen (the first is the prefill's)."""
         if self.config.suffix_tokens:
             for token in history[len(self.automaton) :]:
                 self.automaton.extend(token)
-        self._context = list(history[-3:])
-        builder = self.build_tree(self._context)
-        if self.config.suffix_tokens:
-            continuation = []
-            for token in self.automaton.continuation(self.config.suffix_tokens):
-                if token in self._excluded:
-                    break
-                continuation.append(token)
-            builder.add_path(ROOT, continuation)
-        return builder.build()
+
+    def search(self, context: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
+        """Lookup + fusion + best-first search: (tokens, parents, depths) of the tree."""
+        config = self.config
+        if isinstance(self.memory, FastMemory):
+            tokens, parents, depths = self.memory.build_tree(
+                context_of(context), config.budget, config.max_depth, config.width, config.top_k, self._eta_array,
+                self._prior_array, config.fusion, self._excluded_mask)
+            return tokens.tolist(), parents.tolist(), depths.tolist()
+        builder = self.build_tree(context)
+        return builder.tokens, builder.parents, builder.depths
+
+    def add_suffix(self, tokens: list[int], parents: list[int], depths: list[int]) -> None:
+        """Insert the automaton's continuation along a root path, reusing existing nodes;
+        fused scores are untouched (the new nodes only extend the tree)."""
+        if not self.config.suffix_tokens:
+            return
+        continuation = []
+        for token in self.automaton.continuation(self.config.suffix_tokens):
+            if token in self._excluded:
+                break
+            continuation.append(token)
+        if not continuation:
+            return
+        index = {(parent, token): node for node, (parent, token) in enumerate(zip(parents, tokens))}
+        parent = ROOT
+        for token in continuation:
+            node = index.get((parent, token))
+            if node is None:
+                node = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+                depths.append(1 if parent == ROOT else depths[parent] + 1)
+                index[(parent, token)] = node
+            parent = node
 
     def fused(self, u: int | None, v: int | None, x: int) -> tuple[Sequence[int], Sequence[float]]:
         """q(. | ..., u, v, x): retrieval and fusion for one path context, image tokens removed,
@@ -192,19 +258,28 @@ class RecapProposer(BaseProposer):
 
     # ------------------------------------------------------------------ learning
     def observe(self, step: VerifiedTree) -> None:
-        self.memory.refresh(self._context, step, contextual=self.config.fusion != "unigram")
+        self.refresh(step)
         if self.config.suffix_tokens:
             for token in step.committed:
                 self.automaton.extend(token)
+
+    def refresh(self, step: VerifiedTree) -> None:
+        """Every evaluated node's row into U, C and G under its own path context."""
+        contextual = self.config.fusion != "unigram"
+        if isinstance(self.memory, FastMemory):
+            self.memory.refresh(context_of(self._context), step.tree.tokens, step.tree.parents, step.topk_ids,
+                                step.topk_logits, contextual)
+        else:
+            self.memory.refresh(self._context, step, contextual=contextual)
 
     # ------------------------------------------------------------------ persistence
     def save_memory(self, path: str | PathLike) -> None:
         """Write U (the stream's token memory) to ``path`` (see `recap.core.persistence`)."""
         from recap.core.persistence import save_token_memory
 
-        if self.vocab_size is None:
+        if self.vocab_size is None or self.memory is None:
             raise InputError("nothing to save yet: the memory's vocabulary is known after the first request")
-        save_token_memory(path, self.memory.unigram, vocab_size=self.vocab_size)
+        save_token_memory(path, *self.memory.unigram_arrays(), vocab_size=self.vocab_size)
 
     def load_memory(self, path: str | PathLike) -> None:
         """Read a U file now (errors surface here); it is installed at the next request,
