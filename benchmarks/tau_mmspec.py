@@ -52,7 +52,12 @@ def main() -> None:
     parser.add_argument("--configs", default="recap")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--markdown", nargs="*", default=None, metavar="RESULTS",
+                        help="only print the Markdown table of these result files (and --out)")
     args = parser.parse_args()
+    if args.markdown is not None:
+        print(markdown([*args.markdown, args.out]))
+        return
     torch.set_num_threads(args.threads)
     configs = args.configs.split(",")
     target = recap.load(args.model, dtype=args.dtype)
@@ -85,6 +90,26 @@ def main() -> None:
     summarise(args.out)
 
 
+def markdown(paths: list[str]) -> str:
+    """The tau table of one or more result files as Markdown (configs x topics)."""
+    rows = []
+    for path in paths:
+        with open(path) as handle:
+            rows.extend(json.loads(line) for line in handle)
+    topics = list(dict.fromkeys(row["topic"] for row in rows))
+    configs = list(dict.fromkeys(row["config"] for row in rows))
+    lines = ["| config | " + " | ".join(topics) + " | overall | inputs | identical to AR |",
+             "| --- |" + " --- |" * (len(topics) + 3)]
+    for config in configs:
+        mine = [r for r in rows if r["config"] == config]
+        cells = [f"{statistics.mean([r['tau'] for r in mine if r['topic'] == t] or [float('nan')]):.2f}"
+                 for t in topics]
+        identical = sum(r["identical"] for r in mine)
+        lines.append(f"| {config} | " + " | ".join(cells) + f" | {statistics.mean(r['tau'] for r in mine):.2f} | "
+                     f"{len(mine)} | {identical}/{len(mine)} |")
+    return "\n".join(lines)
+
+
 def summarise(path: str) -> None:
     """Per config: tau (mean over inputs of per-input tau) per topic and overall, mismatches."""
     with open(path) as handle:
@@ -95,7 +120,8 @@ def summarise(path: str) -> None:
     topics = sorted({row["topic"] for row in rows})
     print(f"{'config':>14} " + " ".join(f"{t[:12]:>12}" for t in topics) + f" {'overall':>8} mismatches")
     for config, config_rows in by_config.items():
-        per_topic = [statistics.mean(r["tau"] for r in config_rows if r["topic"] == t) for t in topics]
+        per_topic = [statistics.mean([r["tau"] for r in config_rows if r["topic"] == t] or [float("nan")])
+                     for t in topics]
         overall = statistics.mean(r["tau"] for r in config_rows)
         mismatches = sum(not r["identical"] for r in config_rows)
         print(f"{config:>14} " + " ".join(f"{v:12.2f}" for v in per_topic) + f" {overall:8.2f} {mismatches}")

@@ -54,3 +54,9 @@ def test_demo_runs_and_checks_identity(capsys):
 
 def test_demo_refuses_unknown_methods(capsys):
     assert main(["demo", "--model", "tiny-llama", "--methods", "ar"]) == 2
+
+
+def test_check_with_recap_and_an_ablation(capsys):
+    assert main(["check", "--model", "tiny-llava-next", "--method", "recap", "--ablation", "gate", "--prompts", "4",
+                 "--max-new-tokens", "16", "--vary"]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == "4 passed, 0 failed"
