@@ -85,13 +85,15 @@ class DraftTree:
         """Boolean (n+1, n+1) matrix over packed positions: [a, b] is True when b is a or an
         ancestor of a. Row a is exactly what packed position a may attend to in the tree."""
         n = len(self)
-        allowed = np.eye(n + 1, dtype=bool)
-        allowed[:, 0] = True
-        # One vectorised step per depth level: a node inherits its parent's row.
-        for depth in range(2, self.max_depth + 1):
-            level = np.flatnonzero(self.depths == depth)
-            allowed[level + 1] |= allowed[self.parents[level] + 1]
-        return allowed
+        # Each row as a Python int bitmask (a node's = its parent's | its own bit), then all
+        # rows unpacked at once: a few microseconds for a 68-node tree, no per-row numpy calls.
+        masks = [1]
+        for i, parent in enumerate(self.parents.tolist()):
+            masks.append(masks[parent + 1] | (1 << (i + 1)))
+        width = n // 8 + 1
+        packed = np.frombuffer(b"".join(m.to_bytes(width, "little") for m in masks), dtype=np.uint8)
+        bits = np.unpackbits(packed.reshape(n + 1, width), axis=1, bitorder="little")
+        return np.ascontiguousarray(bits[:, : n + 1]).view(bool)
 
     def packed(self, root: int) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and depths in packed order: the root at 0 (depth 0), node i at i + 1."""
