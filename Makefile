@@ -28,9 +28,13 @@ lint: $(STAMP)
 # The measured losslessness table of the README (float32, every architecture).
 check-all: $(STAMP)
 	for model in tiny-llama tiny-qwen2.5-vl tiny-llava-next; do \
-		$(VENV)/bin/recap check --model $$model --method decoy --prompts 30 --vary --threads 1 || exit 1; \
+		for method in decoy recap; do \
+			$(VENV)/bin/recap check --model $$model --method $$method --prompts 30 --vary --threads 1 || exit 1; \
+		done; \
 	done
-	$(VENV)/bin/recap check --model smollm2-135m --method decoy --prompts 10 --vary --threads 1
+	for method in decoy recap; do \
+		$(VENV)/bin/recap check --model smollm2-135m --method $$method --prompts 10 --vary --threads 1 || exit 1; \
+	done
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

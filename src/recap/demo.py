@@ -29,7 +29,7 @@ REPEATS = 2
 
 def run_demo(model: str = "smollm2-135m", methods: tuple[str, ...] = ("pld", "recap"), *, dtype: str = "float32",
              max_new_tokens: int = 64, budget: int | None = None) -> int:
-    console = Console()
+    console = Console(width=max(Console().width, 110))
     console.print(f"[bold]RECAP demo[/]: {model}, {dtype}, {torch.get_num_threads()} thread(s), AR vs "
                   f"{', '.join(methods)}, {max_new_tokens} new tokens at most")
     target = load(model, dtype=dtype)
@@ -56,7 +56,7 @@ def run_demo(model: str = "smollm2-135m", methods: tuple[str, ...] = ("pld", "re
         for name in methods:
             speedups[name].append(speed[name] / speed["ar"])
             cells.append(f"{speedups[name][-1]:.2f}x ({runs[name][0].tau:.2f})")
-        table.add_row(prompt[:40] + ("..." if len(prompt) > 40 else ""), *(f"{speed[n]:.1f}" for n in names),
+        table.add_row(prompt[:28] + ("..." if len(prompt) > 28 else ""), *(f"{speed[n]:.1f}" for n in names),
                       *cells, "yes" if identical else "[red]NO[/]")
         text = target.tokenizer.decode(runs["ar"][0].tokens, skip_special_tokens=True).strip()
         console.print(f"[dim]> {prompt}[/]\n{text}\n")
