@@ -143,9 +143,6 @@ class TreeBuilder:
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def find(self, parent: int, token: int) -> int | None:
-        return self._index.get((parent, token))
-
     def add(self, parent: int, token: int) -> int:
         """Index of the child ``token`` under ``parent``, created if missing."""
         key = (parent, token)
