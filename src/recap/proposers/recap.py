@@ -105,7 +105,6 @@ class RecapProposer(BaseProposer):
         """Forget everything, U included: a new stream starts."""
         if self.memory is not None:
             self.memory.reset_stream()
-        self._fusion_cache.clear()
 
     def begin_request(self, prompt: PromptRows) -> None:
         self.prompt = prompt
@@ -129,7 +128,6 @@ class RecapProposer(BaseProposer):
             if self._excluded:
                 self._excluded_mask = np.zeros(prompt.vocab_size, dtype=bool)
                 self._excluded_mask[[t for t in self._excluded if 0 <= t < prompt.vocab_size]] = True
-        self._fusion_cache.clear()
         self.automaton = SuffixAutomaton(prompt.ids.tolist()) if self.config.suffix_tokens else SuffixAutomaton()
 
     def end_request(self) -> None:
