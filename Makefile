@@ -25,14 +25,15 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# The measured losslessness table of the README (float32, every architecture).
+# The measured losslessness table of the README (float32, every architecture, every method).
+CHECK_METHODS ?= decoy recap pld token-recycling tree-recycling sam sam-viskip lookahead
 check-all: $(STAMP)
 	for model in tiny-llama tiny-qwen2.5-vl tiny-llava-next; do \
-		for method in decoy recap; do \
+		for method in $(CHECK_METHODS); do \
 			$(VENV)/bin/recap check --model $$model --method $$method --prompts 30 --vary --threads 1 || exit 1; \
 		done; \
 	done
-	for method in decoy recap; do \
+	for method in $(CHECK_METHODS); do \
 		$(VENV)/bin/recap check --model smollm2-135m --method $$method --prompts 10 --vary --threads 1 || exit 1; \
 	done
 

@@ -1,7 +1,12 @@
-"""Acceptance length tau of RECAP (and its ablations) against AR on MMSpec questions.
+"""Acceptance length tau and host overhead of RECAP, its ablations and the baselines against AR
+on MMSpec questions.
 
     .venv/bin/python benchmarks/tau_mmspec.py --model smollm2-135m --dtype float32 --per-topic 10 \\
         --configs recap,no-confidence,gate --out out/tau-fp32.jsonl
+    .venv/bin/python benchmarks/tau_mmspec.py --dtype bfloat16 --configs recap,pld,token-recycling --out ...
+
+A config is a registered method name (``recap``, ``pld``, ``token-recycling``, ...) or a RECAP
+ablation name. Host overhead per iteration = proposer time (propose + observe), target excluded.
 
 Text-only: the model sees the first question of each item without its image (SmolLM2 is a
 text model). Per topic, every configuration is a fresh stream (U cleared at the topic
@@ -23,7 +28,7 @@ from pathlib import Path
 import torch
 
 import recap
-from recap.proposers import RecapProposer
+from recap.proposers import ABLATIONS, PROPOSERS, Proposer, RecapProposer, make_proposer
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmspec" / "mmspec.jsonl"
 
@@ -38,8 +43,11 @@ def load_items(path: Path, per_topic: int) -> dict[str, list[dict]]:
     return dict(topics)
 
 
-def make(config: str) -> RecapProposer:
-    return RecapProposer() if config == "recap" else RecapProposer(ablation=config)
+def make(config: str) -> Proposer:
+    """A fresh stream: a registered method, or RECAP with one ablation."""
+    if config in ABLATIONS and config not in PROPOSERS:
+        return RecapProposer(ablation=config)
+    return make_proposer(config)
 
 
 def main() -> None:
@@ -82,7 +90,12 @@ def main() -> None:
                            "identical": result.tokens == reference.tokens,
                            "mean_tree": statistics.mean(it.draft_size for it in result.iterations)
                            if result.iterations else 0.0,
-                           "u_rows": len(streams[config].memory.unigram), "threads": torch.get_num_threads()}
+                           "host_ms_per_iteration": 1e3 * statistics.mean(it.propose_s + it.observe_s
+                                                                          for it in result.iterations)
+                           if result.iterations else 0.0,
+                           "threads": torch.get_num_threads()}
+                    if isinstance(streams[config], RecapProposer):
+                        row["u_rows"] = streams[config].memory_counts()[0]
                     out.write(json.dumps(row) + "\n")
                     out.flush()
                     print(f"{topic:>18} {item['id']} {config:>14} tau {result.tau:.2f} "
@@ -98,15 +111,17 @@ def markdown(paths: list[str]) -> str:
             rows.extend(json.loads(line) for line in handle)
     topics = list(dict.fromkeys(row["topic"] for row in rows))
     configs = list(dict.fromkeys(row["config"] for row in rows))
-    lines = ["| config | " + " | ".join(topics) + " | overall | inputs | identical to AR |",
-             "| --- |" + " --- |" * (len(topics) + 3)]
+    lines = ["| config | " + " | ".join(topics) + " | overall | host ms/iter | inputs | identical to AR |",
+             "| --- |" + " --- |" * (len(topics) + 4)]
     for config in configs:
         mine = [r for r in rows if r["config"] == config]
         cells = [f"{statistics.mean([r['tau'] for r in mine if r['topic'] == t] or [float('nan')]):.2f}"
                  for t in topics]
         identical = sum(r["identical"] for r in mine)
+        host = [r["host_ms_per_iteration"] for r in mine if "host_ms_per_iteration" in r]
+        host_cell = f"{statistics.median(host):.3f}" if host else "-"
         lines.append(f"| {config} | " + " | ".join(cells) + f" | {statistics.mean(r['tau'] for r in mine):.2f} | "
-                     f"{len(mine)} | {identical}/{len(mine)} |")
+                     f"{host_cell} | {len(mine)} | {identical}/{len(mine)} |")
     return "\n".join(lines)
 
 

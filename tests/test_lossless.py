@@ -11,6 +11,7 @@ from recap.check import run_check
 from recap.core import ROOT, VerifiedTree
 from recap.proposers import DecoyDrafter, make_proposer
 from recap.target import QwenVLTarget
+from tests.broken_verifiers import first_child_walk
 
 
 class RecordingDecoy(DecoyDrafter):
@@ -100,15 +101,6 @@ def test_positions_without_mrope_delta_are_detected(tiny_qwen, monkeypatch):
 def test_accepting_the_first_child_is_detected(tiny_llama, monkeypatch):
     """A verifier that walks into the first child whatever the argmax says."""
     from recap.core import DraftTree
-
-    def first_child_walk(self, argmax):
-        path, position = [], 0
-        while True:
-            children = [i for i in range(len(self)) if self.parents[i] + 1 == position]
-            if not children:
-                return path
-            path.append(children[0])
-            position = children[0] + 1
 
     monkeypatch.setattr(DraftTree, "accept", first_child_walk)
     report = run_check(tiny_llama, DecoyDrafter(seed=7), prompts=6, max_new_tokens=24, seed=7)

@@ -76,6 +76,9 @@ def decode(target: TargetModel, proposer: Proposer, inputs: ModelInputs, *, max_
                          f"the model's sliding attention window of {window} tokens, beyond which tree verification "
                          "is not exact")
     eos = frozenset(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    capture = getattr(target, "capture_image_attention", None)
+    if capture is not None:  # only proposers that gate on it (sam-viskip) pay for the measurement
+        capture(bool(getattr(proposer, "wants_image_attention", False)))
     clock = time.perf_counter
     start = clock()
     rows, first = target.prefill(inputs)

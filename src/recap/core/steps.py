@@ -25,6 +25,10 @@ class PromptRows:
     vocab_size: int
     excluded_tokens: frozenset[int]
     """Tokens a drafter must never propose (image placeholders)."""
+    image_attention: float | None = None
+    """Final-layer, head-averaged attention mass of the last prompt position on the image
+    tokens, when the target was asked to capture it (`TargetModel.capture_image_attention`)
+    and the prompt has an image; None otherwise."""
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class VerifiedTree:
     topk_logits: np.ndarray
     argmax: np.ndarray
     accepted: list[int]
+    image_attention: float | None = None
+    """As `PromptRows.image_attention`, for packed query 0 (the root) of this verification."""
 
     @property
     def committed(self) -> list[int]:

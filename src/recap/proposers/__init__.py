@@ -6,14 +6,24 @@ from collections.abc import Callable
 
 from recap.errors import InputError
 from recap.proposers.base import AutoregressiveProposer, BaseProposer, Proposer
+from recap.proposers.lookahead import LookaheadProposer
 from recap.proposers.pld import PromptLookupProposer
 from recap.proposers.recap import ABLATIONS, RecapConfig, RecapProposer
+from recap.proposers.sam import SamProposer
+from recap.proposers.sam_viskip import SamViSkipProposer
 from recap.proposers.testing import DecoyDrafter, RandomDrafter
+from recap.proposers.token_recycling import TokenRecyclingProposer
+from recap.proposers.tree_recycling import TreeRecyclingProposer
 
 PROPOSERS: dict[str, Callable[..., Proposer]] = {
     "ar": AutoregressiveProposer,
     "recap": RecapProposer,
     "pld": PromptLookupProposer,
+    "lookahead": LookaheadProposer,
+    "sam": SamProposer,
+    "sam-viskip": SamViSkipProposer,
+    "token-recycling": TokenRecyclingProposer,
+    "tree-recycling": TreeRecyclingProposer,
     "decoy": DecoyDrafter,
     "random": RandomDrafter,
 }
@@ -29,5 +39,7 @@ def make_proposer(name: str, **options) -> Proposer:
     return factory(**options)
 
 
-__all__ = ["ABLATIONS", "PROPOSERS", "AutoregressiveProposer", "BaseProposer", "DecoyDrafter", "PromptLookupProposer",
-           "Proposer", "RandomDrafter", "RecapConfig", "RecapProposer", "make_proposer"]
+__all__ = ["ABLATIONS", "PROPOSERS", "AutoregressiveProposer", "BaseProposer", "DecoyDrafter", "LookaheadProposer",
+           "PromptLookupProposer",
+           "Proposer", "RandomDrafter", "RecapConfig", "RecapProposer", "SamProposer", "SamViSkipProposer",
+           "TokenRecyclingProposer", "TreeRecyclingProposer", "make_proposer"]

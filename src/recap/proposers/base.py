@@ -36,6 +36,9 @@ class BaseProposer:
     """No-op lifecycle hooks, so a method only writes what it needs."""
 
     name = "base"
+    stream_state = False
+    """True when state outlives a request (cleared by ``reset_stream``): RECAP's U, Token
+    Recycling's matrix, Lookahead's output trie. Benchmarks checkpoint such streams."""
 
     def begin_request(self, prompt: PromptRows) -> None:
         self.prompt = prompt

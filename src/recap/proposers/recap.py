@@ -42,6 +42,8 @@ class RecapConfig:
     fusion: str = "entropy"
     suffix_tokens: int = 4
     persistent_unigram: bool = True
+    persistent_context: bool = False
+    """Keep C/G across requests too (an ablation: their rows then alias across images)."""
     engine: str = "numba"
     """``numba``: memory, fusion and tree search compiled (`recap.core.fast`); ``python``: the
     readable reference implementation (same trees, differentially tested)."""
@@ -70,12 +72,14 @@ ABLATIONS: dict[str, dict] = {
     "unigram": {"fusion": "unigram"},
     "reset-U": {"persistent_unigram": False},
     "no-suffix": {"suffix_tokens": 0},
+    "persistent-CG": {"persistent_context": True},
 }
 """Named ablation switches (one ingredient changed each)."""
 
 
 class RecapProposer(BaseProposer):
     name = "recap"
+    stream_state = True
 
     def __init__(self, config: RecapConfig | None = None, *, ablation: str | None = None,
                  memory_file: str | PathLike | None = None, **overrides):
@@ -114,10 +118,10 @@ class RecapProposer(BaseProposer):
         if self._pending_memory is not None:
             self._pending_memory.install(self.memory, prompt.vocab_size)
             self._pending_memory = None
-        if self.config.persistent_unigram:
-            self.memory.reset_request()
-        else:
+        if not self.config.persistent_unigram:
             self.memory.reset_stream()
+        elif not self.config.persistent_context:
+            self.memory.reset_request()
         if isinstance(self.memory, FastMemory):
             self.memory.seed_from_prompt(prompt.ids, prompt.topk_ids, prompt.topk_logits, prompt.eligible)
         else:
@@ -131,7 +135,8 @@ class RecapProposer(BaseProposer):
         self.automaton = SuffixAutomaton(prompt.ids.tolist()) if self.config.suffix_tokens else SuffixAutomaton()
 
     def end_request(self) -> None:
-        self.memory.reset_request()
+        if not self.config.persistent_context:
+            self.memory.reset_request()
 
     def memory_counts(self) -> tuple[int, int, int]:
         """Rows held by (U, C, G)."""

@@ -20,6 +20,7 @@ from transformers import DynamicCache, GenerationConfig
 from recap.core import DraftTree, PromptRows, VerifiedTree
 from recap.errors import InputError
 from recap.target.attention import compact_cache, tree_attention_mask, tree_positions
+from recap.target.image_attention import ImageAttentionCapture
 
 Message = dict[str, Any]
 
@@ -59,6 +60,8 @@ class TargetModel:
         self.past_len = 0
         self.position_offset = 0
         self._packed = 0
+        self._capture: ImageAttentionCapture | None = None
+        self._image_token = getattr(model.config, "image_token_id", None) if self.accepts_images else None
 
     # ----------------------------------------------------------------- family hooks
     def _image_token_ids(self) -> list[int]:
@@ -103,6 +106,32 @@ class TargetModel:
             return []
         return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
+    def capture_image_attention(self, enabled: bool = True) -> bool:
+        """Turn on (or off) the measurement of the final-layer, head-averaged attention mass
+        on the prompt's image tokens (`recap.target.image_attention`). While on, prefill and
+        verify report it as ``image_attention`` (None for prompts without an image). Returns
+        whether it is on: a text-only model or an unsupported attention kernel cannot capture.
+        Off, the model runs its stock attention code."""
+        if not enabled or self._image_token is None:
+            if self._capture is not None:
+                self._capture.disable()
+            return False
+        if self._capture is None:
+            self._capture = ImageAttentionCapture.for_model(self.model)
+        return self._capture is not None and self._capture.enable()
+
+    def _arm_capture(self, query_row: int, input_ids: torch.Tensor | None = None) -> ImageAttentionCapture | None:
+        """Ask the capture for one query row of the next forward; prefill also gives the prompt
+        ids, whose image positions are kept for the request."""
+        capture = self._capture
+        if capture is None or not capture.enabled:
+            return None
+        positions = capture.positions
+        if input_ids is not None:
+            positions = (input_ids[0] == self._image_token).nonzero().flatten()
+        capture.arm(positions, query_row)
+        return capture
+
     def prepare(self, prompt: str | list[Message], image: Image.Image | None = None) -> ModelInputs:
         """Turn a prompt (text, or chat messages) and an optional image into model inputs."""
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
@@ -123,6 +152,7 @@ class TargetModel:
         input_ids = inputs.input_ids.to(self.device)
         extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.extra.items()}
         positions = self._prefill_positions(inputs)
+        capture = self._arm_capture(-1, input_ids)
         out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True, **extra)
         self.past_len = input_ids.shape[1]
         self._packed = 0
@@ -132,7 +162,8 @@ class TargetModel:
         eligible = np.array([t not in self.excluded_tokens and t not in special for t in prompt_ids.tolist()],
                             dtype=bool)
         rows = PromptRows(ids=prompt_ids, topk_ids=ids, topk_logits=logits, eligible=eligible,
-                          vocab_size=self.vocab_size, excluded_tokens=self.excluded_tokens)
+                          vocab_size=self.vocab_size, excluded_tokens=self.excluded_tokens,
+                          image_attention=capture.take() if capture is not None else None)
         return rows, int(argmax[-1])
 
     @torch.inference_mode()
@@ -141,6 +172,7 @@ class TargetModel:
         if self.cache is None:
             raise RuntimeError("verify() before prefill()")
         tokens, depths = tree.packed(root)
+        capture = self._arm_capture(0)
         out = self.model(
             input_ids=torch.from_numpy(tokens).to(self.device)[None],
             position_ids=tree_positions(depths, self.past_len, self.position_offset, self.device),
@@ -151,7 +183,8 @@ class TargetModel:
         self._packed = len(tokens)
         ids, logits, argmax = self._top_rows(out.logits[0])
         return VerifiedTree(tree=tree, topk_ids=ids, topk_logits=logits, argmax=argmax,
-                            accepted=tree.accept(argmax))
+                            accepted=tree.accept(argmax),
+                            image_attention=capture.take() if capture is not None else None)
 
     @torch.inference_mode()
     def commit(self, accepted: Sequence[int]) -> None:
@@ -164,6 +197,8 @@ class TargetModel:
     def release(self) -> None:
         """Free the request's KV cache."""
         self.cache = None
+        if self._capture is not None:
+            self._capture.arm(None, -1)
 
     def _top_rows(self, logits: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Top-K ids/logits and the argmax per row, computed on the device and moved to the
