@@ -121,6 +121,19 @@ def test_streams_carry_unigram_across_requests_and_stay_isolated(tiny_llama, eng
     assert _unigram_keys(reset_u) <= set(inputs.prompt_ids) and before - set(inputs.prompt_ids)
 
 
+@pytest.mark.parametrize("engine", ["numba", "python"])
+def test_persistent_context_ablation_keeps_c_and_g_across_requests(tiny_llama, engine):
+    kept, local = RecapProposer(ablation="persistent-CG", engine=engine), RecapProposer(engine=engine)
+    for proposer in (kept, local):
+        recap.generate(tiny_llama, "Stream one, request one.", method=proposer, max_new_tokens=8)
+    _, c_rows, g_rows = kept.memory_counts()
+    assert c_rows > 0 and g_rows > 0 and local.memory_counts()[1:] == (0, 0)
+    recap.generate(tiny_llama, "Another request.", method=kept, max_new_tokens=8)
+    assert kept.memory_counts()[1] >= c_rows and kept.memory_counts()[2] >= g_rows
+    kept.reset_stream()
+    assert kept.memory_counts() == (0, 0, 0)
+
+
 # ----------------------------------------------------------------------------- memory files
 @pytest.fixture
 def memory_file(tiny_llama, tmp_path):

@@ -110,6 +110,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=list(DTYPES), default="float32")
     demo.add_argument("--threads", type=_positive, default=1)
     demo.add_argument("--max-new-tokens", type=int, default=64)
+    _add_bench(commands)
+
+    train = commands.add_parser("train-demo-vlm", help="train the demo VLM's vision side (about 45 min on 2 cores)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--stage1-steps", type=_positive, default=1200,
+                       help="vision tower alone, as a scene classifier (64 scenes a step)")
+    train.add_argument("--stage2-steps", type=_positive, default=600,
+                       help="tower + projector through SmolLM2 (8 questions a step)")
+    train.add_argument("--threads", type=_positive, default=1)
+    train.add_argument("--out", default=None,
+                       help="weights file to write (default: the shipped src/recap/demo_vlm/weights/...)")
     return parser
 
 
@@ -118,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     try:
-        if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        if getattr(args, "max_new_tokens", None) is not None and args.max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
         if args.command == "generate":
             return _generate(args)
@@ -126,6 +137,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _check(args)
         if args.command == "overhead":
             return _overhead(args)
+        if args.command == "bench":
+            return _bench(args)
+        if args.command == "train-demo-vlm":
+            return _train_demo_vlm(args)
         from recap.demo import run_demo
 
         methods = tuple(m for m in args.methods.split(",") if m)
@@ -147,6 +162,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
 
+def _train_demo_vlm(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from recap.demo_vlm.model import WEIGHTS
+    from recap.demo_vlm.train import TrainConfig, train
+    from recap.models import smollm2_folder
+
+    out = Path(args.out) if args.out else WEIGHTS
+    config = TrainConfig(seed=args.seed, stage1_steps=args.stage1_steps, stage2_steps=args.stage2_steps)
+    train(smollm2_folder(), out, config)
+    print(f"wrote {out} (loss curve: {out.with_suffix('.log.jsonl')})")
+    return 0
+
+
+def _note_text_only(args: argparse.Namespace, target) -> None:
+    """sam-viskip gates on image attention; say once when there can be none."""
+    if args.method == "sam-viskip" and not target.accepts_images:
+        print(f"recap: note: {args.model} has no image tokens; sam-viskip behaves as sam", file=sys.stderr)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from recap.decoding import generate
     from recap.images import load_image
@@ -159,6 +194,7 @@ def _generate(args: argparse.Namespace) -> int:
     target = load(args.model, dtype=args.dtype, top_k=args.top_k)
     if image is not None and not target.accepts_images:
         raise InputError(f"{args.model} is a text-only model: it cannot take an image")
+    _note_text_only(args, target)
     result = generate(target, args.prompt, image=image, method=proposer, max_new_tokens=args.max_new_tokens or 128)
     if args.memory:
         proposer.save_memory(args.memory)
@@ -197,6 +233,7 @@ def _check(args: argparse.Namespace) -> int:
 
     proposer = _make_method(args)
     target = load(args.model, dtype=args.dtype, top_k=args.top_k)
+    _note_text_only(args, target)
     exact = args.dtype == "float32"
     with Progress(transient=True) as progress:
         task = progress.add_task(f"{args.method} vs generate", total=args.prompts)
@@ -219,6 +256,72 @@ def _check(args: argparse.Namespace) -> int:
               f"(bfloat16/float16 multi-token forwards may flip near-ties: reported, not claimed exact)")
     print(f"{check.passed} passed, {check.failed} failed")
     return 1 if exact and check.failed else 0
+
+
+def _add_bench(commands) -> None:
+    bench = commands.add_parser("bench", help="paired speed benchmark vs AR on MMSpec-format data: report and plots")
+    bench.add_argument("--model", default="smollm2-135m",
+                       help=f"built-in name ({', '.join(BUILTIN)}) or a local Hugging Face model folder")
+    bench.add_argument("--methods", default=None,
+                       help="comma-separated methods compared with ar (always run), options as NAME:key=value, "
+                            "e.g. recap,pld,recap:budget=16 (default: those of recap,pld,token-recycling that exist)")
+    bench.add_argument("--data", default="mmspec",
+                       help="mmspec (../shared/data/mmspec), mmspec=PATH or PATH: a folder with mmspec.jsonl, or "
+                            "the jsonl file")
+    bench.add_argument("--topics", default=None, help="comma-separated topics (default: all), e.g. general-vqa")
+    bench.add_argument("--limit", default="1", help="inputs per topic, or 'all' (default 1)")
+    bench.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    bench.add_argument("--threads", type=_positive, default=1, help="torch CPU threads, pinned and recorded")
+    bench.add_argument("--max-new-tokens", type=int, default=24)
+    bench.add_argument("--seed", type=int, default=0, help="seeds the per-unit method order")
+    bench.add_argument("--out", default="bench-out", help="output folder; a rerun resumes the run found there")
+    bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up decode of each method")
+    bench.add_argument("--report-only", action="store_true",
+                       help="only rewrite summary.json, report.md and the plots from --out's results")
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from recap.bench import BenchConfig, run_bench
+    from recap.bench.report import load_run, write_outputs
+
+    console = Console(stderr=True)
+    if args.report_only:
+        rows, record = load_run(Path(args.out))
+        for path in write_outputs(Path(args.out), rows, record):
+            print(path)
+        return 0
+    if args.limit.strip().lower() == "all":
+        limit = None
+    else:
+        try:
+            limit = int(args.limit)
+        except ValueError:
+            raise InputError(f"--limit takes a whole number or 'all', got {args.limit!r}") from None
+    topics = [t for t in args.topics.split(",") if t.strip()] if args.topics else None
+    config = BenchConfig(model=args.model, methods=args.methods, data=args.data, topics=topics, limit=limit,
+                         dtype=args.dtype, threads=args.threads, max_new_tokens=args.max_new_tokens,
+                         seed=args.seed, out=Path(args.out), warmup=not args.no_warmup)
+    run = run_bench(config, console=console)
+    if run.interrupted:
+        print(f"recap: interrupted after {run.units_run} new unit(s); {args.out}/results.jsonl holds every finished "
+              "unit; rerun the same command to resume", file=sys.stderr)
+        return 130
+    summary = run.summary
+    for label, data in summary["methods"].items():
+        if label != "ar":
+            print(f"{label:>18}: S {data['S']:.2f}x  tau {data['tau']:.2f}  "
+                  f"{data['mismatches']} mismatch(es) in {data['units']} units")
+    for path in run.files:
+        print(path)
+    if summary["mismatches"]:
+        console.print(f"[bold red]MISMATCH[/]: {summary['mismatches']} output(s) differ from AR; see "
+                      f"{args.out}/report.md")
+        return 1 if args.dtype == "float32" else 0
+    return 0
 
 
 if __name__ == "__main__":
