@@ -114,9 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train-demo-vlm", help="train the demo VLM's vision side (about 45 min on 2 cores)")
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--stage1-steps", type=_positive, default=1200,
+    train.add_argument("--stage1-steps", type=_positive, default=1500,
                        help="vision tower alone, as a scene classifier (64 scenes a step)")
-    train.add_argument("--stage2-steps", type=_positive, default=600,
+    train.add_argument("--stage2-steps", type=_positive, default=1000,
                        help="tower + projector through SmolLM2 (8 questions a step)")
     train.add_argument("--threads", type=_positive, default=1)
     train.add_argument("--out", default=None,
@@ -217,7 +217,7 @@ def _overhead(args: argparse.Namespace) -> int:
     if args.budget < 0:
         raise InputError(f"--budget cannot be negative, got {args.budget}")
     if args.method in ("decoy", "random"):
-        raise InputError(f"{args.method} is a test drafter; time ar, pld or recap")
+        raise InputError(f"{args.method} is a test drafter; time a real method (ar, recap or a baseline)")
     options = {"vocab": args.vocab, "requests": args.requests, "max_new_tokens": args.max_new_tokens or 128,
                "seed": args.seed, "budget": args.budget}
     result = run_overhead(args.method, **options)
