@@ -25,6 +25,8 @@ from tqdm import tqdm
 import recap
 from recap.demo_vlm import aliasing, evaluate
 
+PARTS = ("accuracy", "swap", "aliasing")
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -33,56 +35,69 @@ def main() -> None:
     parser.add_argument("--alias-items", type=int, default=60)
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"some of {','.join(PARTS)} (to run in parallel)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     target = recap.load("recap-demo-vlm")
-    examples = evaluate.held_out(args.items)
-    results: dict = {"items": args.items, "threads": args.threads, "max_new_tokens": args.max_new_tokens}
+    results: dict = {"threads": args.threads, "max_new_tokens": args.max_new_tokens}
+    parts = args.parts.split(",")
+    if "accuracy" in parts:
+        results["accuracy"] = accuracy(target, evaluate.held_out(args.items), args.max_new_tokens, results)
+    if "swap" in parts:
+        results["image_dependence"] = image_dependence(target, evaluate.held_out(args.swap_items),
+                                                       args.max_new_tokens)
+    if "aliasing" in parts:
+        results.update(condition_aliasing(target, evaluate.held_out(args.alias_items), args.max_new_tokens))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(json.dumps({k: v for k, v in results.items() if k != "examples"}, indent=2))
 
-    outputs, scores = [], []
-    for example in tqdm(examples, desc="held-out answers"):
-        result = recap.generate(target, example.question, image=example.image(), max_new_tokens=args.max_new_tokens)
-        outputs.append(result)
-        scores.append(evaluate.score(example, result.text))
-    accuracy = evaluate.accuracy(scores)
-    results["accuracy"] = {k: {"correct": c, "total": t, "rate": c / t} for k, (c, t) in accuracy.items()}
+
+def ar_outputs(target, examples, max_new_tokens: int, desc: str) -> list:
+    return [recap.generate(target, e.question, image=e.image(), max_new_tokens=max_new_tokens)
+            for e in tqdm(examples, desc=desc)]
+
+
+def accuracy(target, examples, max_new_tokens: int, results: dict) -> dict:
+    outputs = ar_outputs(target, examples, max_new_tokens, "held-out answers")
+    table = evaluate.accuracy(evaluate.score(e, o.text) for e, o in zip(examples, outputs, strict=True))
+    results["items"] = len(examples)
     results["examples"] = [{"seed": e.seed, "question": e.question, "answer": e.answer, "output": o.text}
-                           for e, o in zip(examples[:12], outputs[:12], strict=True)]
+                           for e, o in zip(examples[:16], outputs[:16], strict=True)]
+    return {k: {"correct": c, "total": t, "rate": c / t} for k, (c, t) in table.items()}
 
-    subset = examples[: args.swap_items]
+
+def image_dependence(target, examples, max_new_tokens: int) -> dict:
+    originals = ar_outputs(target, examples, max_new_tokens, "own images")
     first_changed = full_changed = 0
     own_loss, swapped_loss = [], []
-    for example, other, original in tqdm(list(zip(subset, evaluate.swapped(subset), outputs, strict=False)),
-                                         desc="swapped images"):
-        result = recap.generate(target, example.question, image=other.image(), max_new_tokens=args.max_new_tokens)
+    pairs = list(zip(examples, evaluate.swapped(examples), originals, strict=True))
+    for example, other, original in tqdm(pairs, desc="swapped images"):
+        result = recap.generate(target, example.question, image=other.image(), max_new_tokens=max_new_tokens)
         first = evaluate.first_content_token(original.tokens, target.tokenizer)
         first_changed += first != evaluate.first_content_token(result.tokens, target.tokenizer)
         full_changed += result.tokens != original.tokens
         own_loss.append(evaluate.answer_loss(target, example, example.image()))
         swapped_loss.append(evaluate.answer_loss(target, example, other.image()))
-    results["image_dependence"] = {
-        "items": len(subset), "first_content_token_changed": first_changed / len(subset),
-        "full_output_changed": full_changed / len(subset), "loss_own_image": statistics.mean(own_loss),
-        "loss_swapped_image": statistics.mean(swapped_loss)}
+    return {"items": len(examples), "first_content_token_changed": first_changed / len(examples),
+            "full_output_changed": full_changed / len(examples), "loss_own_image": statistics.mean(own_loss),
+            "loss_swapped_image": statistics.mean(swapped_loss)}
 
-    alias = examples[: args.alias_items]
-    rows = []
-    for example, original in tqdm(list(zip(alias, outputs, strict=False)), desc="aliasing rows"):
-        inputs = target.prepare(example.question, example.image())
-        rows.append(aliasing.request_rows(target, inputs, original.tokens))
-    results["aliasing"] = aliasing.measure(rows).as_dict()
+
+def condition_aliasing(target, examples, max_new_tokens: int) -> dict:
+    originals = ar_outputs(target, examples, max_new_tokens, "aliasing: AR")
+    rows = [aliasing.request_rows(target, target.prepare(e.question, e.image()), o.tokens)
+            for e, o in tqdm(list(zip(examples, originals, strict=True)), desc="aliasing: rows")]
     taus = {}
-    for name, ablation in (("recap", None), ("persistent-CG", "persistent-CG")):
-        proposer = recap.make_proposer("recap", **({"ablation": ablation} if ablation else {}))
-        runs = [recap.generate(target, e.question, image=e.image(), method=proposer,
-                               max_new_tokens=args.max_new_tokens) for e in tqdm(alias, desc=f"tau {name}")]
+    for name, options in (("recap (request-local C/G)", {}), ("persistent-CG", {"ablation": "persistent-CG"})):
+        proposer = recap.make_proposer("recap", **options)  # one stream over all items
+        runs = [recap.generate(target, e.question, image=e.image(), method=proposer, max_new_tokens=max_new_tokens)
+                for e in tqdm(examples, desc=f"tau {name}")]
         taus[name] = {"tau": statistics.mean(r.tau for r in runs),
-                      "identical_to_ar": sum(r.tokens == o.tokens for r, o in zip(runs, outputs, strict=False))}
-    results["stream_tau"] = taus
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(json.dumps({k: v for k, v in results.items() if k != "examples"}, indent=2))
+                      "identical_to_ar": sum(r.tokens == o.tokens for r, o in zip(runs, originals, strict=True)),
+                      "items": len(examples)}
+    return {"aliasing": aliasing.measure(rows).as_dict(), "stream_tau": taus}
 
 
 if __name__ == "__main__":

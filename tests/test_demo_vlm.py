@@ -115,6 +115,9 @@ def test_aliasing_separates_same_and_different_image_rows():
     assert same["lookups"] == 2 and same["recall"] == 1.0  # position 3's key 5: own row after position 1
     assert different["lookups"] >= 2 and different["top1"] < 1.0
     assert report.as_dict()["1-token key"]["same image"]["recall"] == 1.0
+    paired = report.as_dict()["1-token key"]
+    assert paired["same image, paired"]["lookups"] == paired["different image, paired"]["lookups"] == 2
+    assert paired["same image, paired"]["top1"] == 1.0 and paired["different image, paired"]["top1"] == 0.0
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -59,11 +59,19 @@ class Recall:
 
 @dataclass
 class AliasingReport:
+    """Recall per key length: over every lookup that found a row of that kind, and over the
+    paired lookups where both a same-image and a different-image row existed (the fairer
+    comparison: same positions, same keys, only the image differs)."""
+
     same: dict[int, Recall] = field(default_factory=lambda: defaultdict(Recall))
     different: dict[int, Recall] = field(default_factory=lambda: defaultdict(Recall))
+    same_paired: dict[int, Recall] = field(default_factory=lambda: defaultdict(Recall))
+    different_paired: dict[int, Recall] = field(default_factory=lambda: defaultdict(Recall))
 
     def as_dict(self) -> dict[str, dict[str, dict[str, float]]]:
-        return {f"{n}-token key": {"same image": self.same[n].as_dict(), "different image": self.different[n].as_dict()}
+        return {f"{n}-token key": {"same image": self.same[n].as_dict(), "different image": self.different[n].as_dict(),
+                                   "same image, paired": self.same_paired[n].as_dict(),
+                                   "different image, paired": self.different_paired[n].as_dict()}
                 for n in KEY_LENGTHS}
 
 
@@ -104,4 +112,7 @@ def measure(requests: list[RequestRows]) -> AliasingReport:
                     report.same[n].add(own[key], greedy)
                 if key in foreign:
                     report.different[n].add(foreign[key], greedy)
+                if key in own and key in foreign:
+                    report.same_paired[n].add(own[key], greedy)
+                    report.different_paired[n].add(foreign[key], greedy)
     return report
