@@ -148,3 +148,21 @@ def test_the_shipped_demo_vlm_assembles_offline_and_is_lossless():
     changed = sum(case.reference != ref for case, ref in
                   zip(run_check(target, "ar", items=swapped, max_new_tokens=24).cases, references, strict=True))
     assert changed >= 4
+
+
+def test_content_tokens_and_the_weighted_loss():
+    import torch
+
+    from recap.demo_vlm.train import is_content, weighted_loss
+
+    assert all(map(is_content, [" red", "7", " triangle", " three", " bottom", " cyan", " tri"]))
+    assert not any(map(is_content, ["The", " is", ".", " bar", " a", "<|im_end|>"]))
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    labels[0, :2] = IGNORE
+    ones = (labels != IGNORE).float()
+    plain = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=IGNORE)
+    assert torch.allclose(weighted_loss(logits, labels, ones), plain)
+    heavy = ones.clone()
+    heavy[1, 3] = 5.0
+    assert not torch.allclose(weighted_loss(logits, labels, heavy), plain)

@@ -32,6 +32,7 @@ from recap.demo_vlm.scenes import (
     CHART_MAX,
     COLOURS,
     HELD_OUT_START,
+    NUMBERS,
     POSITIONS,
     SHAPES,
     Example,
@@ -104,14 +105,15 @@ class TrainConfig:
     seed: int = 0
     stage1_steps: int = 1500
     """Batches of `stage1_batch` scenes (about 8 minutes on one core)."""
-    stage2_steps: int = 1000
+    stage2_steps: int = 800
     """Batches of `batch` questions through SmolLM2 (about 2 s each on one core)."""
-    projector_only_steps: int = 250
+    projector_only_steps: int = 100
     """First stage-2 steps with the tower frozen, so the fresh projector's large early
     gradients do not wash out what stage 1 taught the tower."""
     stage1_batch: int = 64
     batch: int = 8
-    tower_lr: float = 5e-5
+    tower_lr: float = 1e-4
+    content_weight: float = 4.0
     projector_lr: float = 2e-3
     checkpoint_every: int = 50
 
@@ -169,10 +171,22 @@ def head_accuracy(tower, head: SceneHead, n: int = 512) -> dict[str, float]:
     return result
 
 
-def answer_batch(processor, examples: list[Example]) -> dict[str, torch.Tensor]:
-    """Inputs and labels for a batch: loss on the answer and its end-of-turn token only."""
+CONTENT_WORDS = frozenset((*COLOURS, *BACKGROUNDS, *SHAPES, *NUMBERS, "top", "bottom", "left", "right"))
+
+
+def is_content(piece: str) -> bool:
+    """Whether a token's text states an attribute of the image (a digit, or the start of a
+    colour, shape, number or position word), rather than template wording."""
+    piece = piece.strip().lower()
+    return piece.isdigit() or (len(piece) >= 2 and any(word.startswith(piece) for word in CONTENT_WORDS))
+
+
+def answer_batch(processor, examples: list[Example], content_weight: float = 1.0) -> dict[str, torch.Tensor]:
+    """Inputs, labels and per-token loss weights for a batch: loss on the answer and its
+    end-of-turn token only, tokens that state an image attribute weighted ``content_weight``
+    (the template words are learnt from text alone and would otherwise dominate the loss)."""
     tokenizer = processor.tokenizer
-    rows, labels = [], []
+    rows, labels, weights = [], [], []
     for example in examples:
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": example.question}]}]
         prompt = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -180,12 +194,15 @@ def answer_batch(processor, examples: list[Example]) -> dict[str, torch.Tensor]:
         answer_ids = tokenizer(example.answer + "<|im_end|>", add_special_tokens=False)["input_ids"]
         rows.append(prompt_ids + answer_ids)
         labels.append([IGNORE] * len(prompt_ids) + answer_ids)
+        weights.append([0.0] * len(prompt_ids) + [content_weight if is_content(tokenizer.decode([t])) else 1.0
+                                                   for t in answer_ids])
     width = max(map(len, rows))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return {
         "input_ids": torch.tensor([r + [pad] * (width - len(r)) for r in rows]),
         "attention_mask": torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows]),
         "labels": torch.tensor([r + [IGNORE] * (width - len(r)) for r in labels]),
+        "weights": torch.tensor([r + [0.0] * (width - len(r)) for r in weights]),
         "pixel_values": pixels([e.image() for e in examples]),
     }
 
@@ -204,9 +221,11 @@ def train_stage2(model, processor, config: TrainConfig, out: Path, log) -> None:
         while step < config.stage2_steps:
             for param in tower_params:
                 param.requires_grad = step >= config.projector_only_steps
-            batch = answer_batch(processor, [next(stream) for _ in range(config.batch)])
+            batch = answer_batch(processor, [next(stream) for _ in range(config.batch)], config.content_weight)
+            labels, weights = batch.pop("labels"), batch.pop("weights")
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                loss = model(**batch).loss
+                logits = model(**batch).logits
+            loss = weighted_loss(logits, labels, weights)
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
@@ -220,6 +239,14 @@ def train_stage2(model, processor, config: TrainConfig, out: Path, log) -> None:
                 save_trainable(model, out, _metadata(config, step))
     model.eval()
     save_trainable(model, out, _metadata(config, step))
+
+
+def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy, weighted per target token (prompt and padding weigh 0)."""
+    losses = nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels[:, 1:],
+                                         ignore_index=IGNORE, reduction="none")
+    weights = weights[:, 1:]
+    return (losses * weights).sum() / weights.sum()
 
 
 def _metadata(config: TrainConfig, steps: int) -> dict[str, str]:
