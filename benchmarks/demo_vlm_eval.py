@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -24,6 +25,7 @@ from tqdm import tqdm
 
 import recap
 from recap.demo_vlm import aliasing, evaluate
+from recap.demo_vlm.train import is_content
 
 PARTS = ("accuracy", "swap", "aliasing")
 
@@ -97,7 +99,9 @@ def condition_aliasing(target, examples, max_new_tokens: int) -> dict:
         taus[name] = {"tau": statistics.mean(r.tau for r in runs),
                       "identical_to_ar": sum(r.tokens == o.tokens for r, o in zip(runs, originals, strict=True)),
                       "items": len(examples)}
-    return {"aliasing": aliasing.measure(rows).as_dict(), "stream_tau": taus}
+    tokenizer = target.tokenizer
+    content = functools.cache(lambda token: is_content(tokenizer.decode([token])))
+    return {"aliasing": aliasing.measure(rows, content).as_dict(), "stream_tau": taus}
 
 
 if __name__ == "__main__":

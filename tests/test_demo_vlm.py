@@ -118,6 +118,8 @@ def test_aliasing_separates_same_and_different_image_rows():
     paired = report.as_dict()["1-token key"]
     assert paired["same image, paired"]["lookups"] == paired["different image, paired"]["lookups"] == 2
     assert paired["same image, paired"]["top1"] == 1.0 and paired["different image, paired"]["top1"] == 0.0
+    split = aliasing.measure([a, b], content=lambda token: token == 6).as_dict()["1-token key"]
+    assert split["same image, paired, content"]["lookups"] == 1 == split["different image, paired, content"]["lookups"]
 
 
 @pytest.mark.parametrize("n", [2, 3])

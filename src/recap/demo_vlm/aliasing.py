@@ -13,6 +13,7 @@ holds). Recall is the share of lookups whose row contains the target's greedy to
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -67,11 +68,16 @@ class AliasingReport:
     different: dict[int, Recall] = field(default_factory=lambda: defaultdict(Recall))
     same_paired: dict[int, Recall] = field(default_factory=lambda: defaultdict(Recall))
     different_paired: dict[int, Recall] = field(default_factory=lambda: defaultdict(Recall))
+    same_content: dict[int, Recall] = field(default_factory=lambda: defaultdict(Recall))
+    different_content: dict[int, Recall] = field(default_factory=lambda: defaultdict(Recall))
+    """Paired lookups whose greedy token states an image attribute (``content``)."""
 
     def as_dict(self) -> dict[str, dict[str, dict[str, float]]]:
         return {f"{n}-token key": {"same image": self.same[n].as_dict(), "different image": self.different[n].as_dict(),
                                    "same image, paired": self.same_paired[n].as_dict(),
-                                   "different image, paired": self.different_paired[n].as_dict()}
+                                   "different image, paired": self.different_paired[n].as_dict(),
+                                   "same image, paired, content": self.same_content[n].as_dict(),
+                                   "different image, paired, content": self.different_content[n].as_dict()}
                 for n in KEY_LENGTHS}
 
 
@@ -88,8 +94,10 @@ def request_rows(target, inputs, output: list[int], top_k: int = 8) -> RequestRo
     return RequestRows(ids=prompt + output, topk=topk, eligible=eligible, output_start=len(prompt))
 
 
-def measure(requests: list[RequestRows]) -> AliasingReport:
-    """Same-image vs different-image recall over every generated position of every request."""
+def measure(requests: list[RequestRows], content: Callable[[int], bool] | None = None) -> AliasingReport:
+    """Same-image vs different-image recall over every generated position of every request;
+    ``content(token)`` marks the greedy tokens that state something about the image (where
+    aliasing can hurt; template words are the same whatever the image)."""
     report = AliasingReport()
     for index, request in enumerate(requests):
         others = [r for i, r in enumerate(requests) if i != index]
@@ -115,4 +123,7 @@ def measure(requests: list[RequestRows]) -> AliasingReport:
                 if key in own and key in foreign:
                     report.same_paired[n].add(own[key], greedy)
                     report.different_paired[n].add(foreign[key], greedy)
+                    if content is not None and content(greedy):
+                        report.same_content[n].add(own[key], greedy)
+                        report.different_content[n].add(foreign[key], greedy)
     return report
