@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 import recap
 from recap.demo_vlm import aliasing, evaluate
-from recap.demo_vlm.train import is_content
+from recap.demo_vlm.scenes import states_attribute
 
 PARTS = ("accuracy", "swap", "aliasing")
 
@@ -100,7 +100,7 @@ def condition_aliasing(target, examples, max_new_tokens: int) -> dict:
                       "identical_to_ar": sum(r.tokens == o.tokens for r, o in zip(runs, originals, strict=True)),
                       "items": len(examples)}
     tokenizer = target.tokenizer
-    content = functools.cache(lambda token: is_content(tokenizer.decode([token])))
+    content = functools.cache(lambda token: states_attribute(tokenizer.decode([token])))
     return {"aliasing": aliasing.measure(rows, content).as_dict(), "stream_tau": taus}
 
 

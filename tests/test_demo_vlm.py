@@ -155,10 +155,11 @@ def test_the_shipped_demo_vlm_assembles_offline_and_is_lossless():
 def test_content_tokens_and_the_weighted_loss():
     import torch
 
-    from recap.demo_vlm.train import is_content, weighted_loss
+    from recap.demo_vlm.scenes import states_attribute
+    from recap.demo_vlm.train import weighted_loss
 
-    assert all(map(is_content, [" red", "7", " triangle", " three", " bottom", " cyan", " tri"]))
-    assert not any(map(is_content, ["The", " is", ".", " bar", " a", "<|im_end|>"]))
+    assert all(map(states_attribute, [" red", "7", " triangle", " three", " bottom", " cyan", " tri"]))
+    assert not any(map(states_attribute, ["The", " is", ".", " bar", " a", "<|im_end|>"]))
     torch.manual_seed(0)
     logits, labels = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
     labels[0, :2] = IGNORE

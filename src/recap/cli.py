@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--stage1-steps", type=_positive, default=1500,
                        help="vision tower alone, as a scene classifier (64 scenes a step)")
-    train.add_argument("--stage2-steps", type=_positive, default=800,
+    train.add_argument("--stage2-steps", type=_positive, default=1000,
                        help="tower + projector through SmolLM2 (8 questions a step)")
     train.add_argument("--threads", type=_positive, default=1)
     train.add_argument("--out", default=None,

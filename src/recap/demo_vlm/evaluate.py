@@ -23,6 +23,7 @@ from recap.demo_vlm.scenes import (
     SHAPES,
     Example,
     make_example,
+    states_attribute,
 )
 
 _COLOUR = "|".join(COLOURS)
@@ -96,15 +97,11 @@ def swapped(examples: list[Example], shift: int = 1) -> list[Example]:
     return [examples[(i + shift) % len(examples)] for i in range(len(examples))]
 
 
-_CONTENT_WORDS = (*COLOURS, *BACKGROUNDS, *SHAPES, *NUMBERS, "top", "bottom", "left", "right", "bar", "line")
-
-
 def first_content_token(tokens: list[int], tokenizer) -> int | None:
-    """The first generated token that starts a word naming something in the image (a colour,
-    shape, number, position, chart kind or a digit); template words like "The" do not count."""
+    """The first generated token that states something about the image (`states_attribute`);
+    template words like "The" do not count."""
     for token in tokens:
-        piece = tokenizer.decode([token]).strip().lower()
-        if piece.isdigit() or (len(piece) >= 2 and any(word.startswith(piece) for word in _CONTENT_WORDS)):
+        if states_attribute(tokenizer.decode([token])):
             return token
     return None
 

@@ -29,6 +29,14 @@ POSITIONS = ("top left", "top right", "bottom left", "bottom right")
 """The 2 x 2 grid cells, in reading order (each 32 x 32 pixels)."""
 NUMBERS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
 CHART_MAX = 9
+ATTRIBUTE_WORDS = frozenset((*COLOURS, *BACKGROUNDS, *SHAPES, *NUMBERS, "top", "bottom", "left", "right"))
+
+
+def states_attribute(piece: str) -> bool:
+    """Whether a token's text states an attribute of the image (a digit, or the start of a
+    colour, shape, number or position word) rather than template wording."""
+    piece = piece.strip().lower()
+    return piece.isdigit() or (len(piece) >= 2 and any(word.startswith(piece) for word in ATTRIBUTE_WORDS))
 
 
 @dataclass(frozen=True)
