@@ -59,9 +59,10 @@ def demo_inputs(target, out: Path) -> list[DemoInput]:
     for offset in DEMO_SCENES:
         example = make_example(HELD_OUT_START + offset)
         path = out / f"scene-{offset}.png"
-        example.image().resize((256, 256), Image.NEAREST).save(path)  # 64 px, enlarged to look at
+        image = example.image()
+        image.resize((256, 256), Image.NEAREST).save(path)  # 64 px, enlarged to look at
         truth = caption(example.scene, np.random.default_rng(0))
-        inputs.append(DemoInput("Describe the image.", example.image(), path.name, f"{path}; truth: {truth}"))
+        inputs.append(DemoInput("Describe the image.", image, path.name, f"{path}; truth: {truth}"))
     return inputs
 
 

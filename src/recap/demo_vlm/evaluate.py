@@ -11,7 +11,6 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable
 
-import numpy as np
 import torch
 
 from recap.demo_vlm.scenes import (
@@ -74,10 +73,6 @@ def accuracy(scores: Iterable[dict[str, bool]]) -> dict[str, tuple[int, int]]:
     return {k: (v[0], v[1]) for k, v in sorted(totals.items())}
 
 
-def messages(question: str) -> list[dict]:
-    return [{"role": "user", "content": question}]
-
-
 @torch.inference_mode()
 def answer_loss(target, example: Example, image) -> float:
     """Mean next-token loss of the example's answer given its question and ``image``."""
@@ -104,12 +99,3 @@ def first_content_token(tokens: list[int], tokenizer) -> int | None:
         if states_attribute(tokenizer.decode([token])):
             return token
     return None
-
-
-def summarise(acc: dict[str, tuple[int, int]]) -> dict[str, float]:
-    return {k: c / t for k, (c, t) in acc.items() if t}
-
-
-def mean(values: Iterable[float]) -> float:
-    values = list(values)
-    return float(np.mean(values)) if values else float("nan")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -108,15 +107,10 @@ def load_trainable(model: LlavaForConditionalGeneration, path: Path) -> None:
     state = load_file(str(path))
     embedding = state.pop(EMBEDDING_KEY)
     result = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    unexpected = [k for k in result.unexpected_keys]
+    unexpected = list(result.unexpected_keys)
     missing = [k for k in result.missing_keys if k.startswith(TRAINABLE)]
     if unexpected or missing:
         raise ValueError(f"{path} does not match the demo VLM: missing {missing[:3]}, unexpected {unexpected[:3]}")
     with torch.no_grad():
         model.get_input_embeddings().weight[model.config.image_token_index:] = embedding.float()
     model.tie_weights()
-
-
-def describe(model: Any) -> str:
-    trainable = sum(p.numel() for n, p in model.named_parameters() if n.startswith(TRAINABLE))
-    return f"{trainable / 1e6:.2f} M trainable parameters, {IMAGE_TOKENS} image tokens of {IMAGE_SIZE} px images"
