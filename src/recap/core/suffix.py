@@ -7,7 +7,7 @@ and the tokens after it are the continuation to draft. Amortised O(1) per token.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 
 class SuffixAutomaton:
@@ -56,6 +56,12 @@ class SuffixAutomaton:
                 link[target] = clone
                 link[current] = clone
         self._last = current
+
+    def sync(self, text: Sequence[int]) -> None:
+        """Extend with the tokens of ``text`` (which starts with this automaton's text) that
+        it has not seen yet: what a drafter calls each step with the history."""
+        for token in text[len(self.tokens) :]:
+            self.extend(int(token))
 
     def longest_match(self) -> tuple[int, int]:
         """(length, end) of the longest suffix that also ends earlier, at its first earlier end

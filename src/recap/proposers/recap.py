@@ -157,8 +157,7 @@ class RecapProposer(BaseProposer):
     def sync_automaton(self, history: Sequence[int]) -> None:
         """Feed the automaton the committed tokens it has not seen (the first is the prefill's)."""
         if self.config.suffix_tokens:
-            for token in history[len(self.automaton) :]:
-                self.automaton.extend(token)
+            self.automaton.sync(history)
 
     def search(self, context: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
         """Lookup + fusion + best-first search: (tokens, parents, depths) of the tree."""

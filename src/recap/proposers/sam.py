@@ -48,8 +48,7 @@ class SamProposer(BaseProposer):
 
     def propose(self, history: Sequence[int]) -> DraftTree:
         automaton = self._automaton
-        for token in history[len(automaton) :]:
-            automaton.extend(int(token))
+        automaton.sync(history)
         length, end = automaton.longest_match()
         if length < self.min_match:
             return DraftTree.empty()
