@@ -152,20 +152,101 @@ def test_the_shipped_demo_vlm_assembles_offline_and_is_lossless():
     assert changed >= 4
 
 
-def test_content_tokens_and_the_weighted_loss():
+def test_content_tokens_and_the_answer_loss():
     import torch
 
     from recap.demo_vlm.scenes import states_attribute
-    from recap.demo_vlm.train import weighted_loss
+    from recap.demo_vlm.train import answer_loss
 
     assert all(map(states_attribute, [" red", "7", " triangle", " three", " bottom", " cyan", " tri"]))
     assert not any(map(states_attribute, ["The", " is", ".", " bar", " a", "<|im_end|>"]))
+
+    class Model(torch.nn.Module):  # the two pieces answer_loss uses: the decoder and lm_head
+        def __init__(self):
+            super().__init__()
+            self.embed, self.lm_head = torch.nn.Embedding(11, 4), torch.nn.Linear(4, 11)
+            self.model = lambda input_ids, **_: type("Out", (), {"last_hidden_state": self.embed(input_ids)})
+
     torch.manual_seed(0)
-    logits, labels = torch.randn(2, 5, 11), torch.randint(0, 11, (2, 5))
+    model, ids = Model(), torch.randint(0, 11, (2, 5))
+    labels = ids.clone()
     labels[0, :2] = IGNORE
     ones = (labels != IGNORE).float()
+    logits = model.lm_head(model.embed(ids))
     plain = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), labels[:, 1:], ignore_index=IGNORE)
-    assert torch.allclose(weighted_loss(logits, labels, ones), plain)
+    assert torch.allclose(answer_loss(model, {"input_ids": ids}, labels, ones), plain)
     heavy = ones.clone()
     heavy[1, 3] = 5.0
-    assert not torch.allclose(weighted_loss(logits, labels, heavy), plain)
+    assert not torch.allclose(answer_loss(model, {"input_ids": ids}, labels, heavy), plain)
+
+
+def test_scene_words_state_the_scene_in_image_token_slots():
+    from recap.demo_vlm.model import IMAGE_TOKENS
+    from recap.demo_vlm.train import PAD_WORD, SCENE_WORDS, scene_words
+
+    for seed in SEEDS:
+        scene = make_example(seed).scene
+        words = scene_words(scene)
+        assert len(words) == IMAGE_TOKENS and set(words) <= set(SCENE_WORDS)
+        content = [w.strip() for w in words if w != PAD_WORD]
+        if scene.kind == "shapes":
+            assert content[:2] == [scene.background, "background"]
+            spelt = [w for o in scene.objects for w in (o.colour, o.shape, *o.position.split())]
+            assert content[2:] == spelt[: IMAGE_TOKENS - 2]  # a fourth object's "bottom right" is cut
+        elif scene.kind == "bar chart":
+            assert content == ["bar", "chart", *[w for c, v in scene.bars for w in (c, str(v))]]
+        else:
+            assert content == [scene.line_colour, "line", "chart", *map(str, scene.points)]
+
+
+def test_scene_words_loss_and_accuracy_reward_the_right_embeddings():
+    import torch
+    from transformers import AutoTokenizer
+
+    from recap.demo_vlm.train import SceneWords
+    from recap.models import smollm2_folder
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_folder())  # every scene word is one token
+    torch.manual_seed(0)
+    words = SceneWords(tokenizer, torch.randn(len(tokenizer), 32))
+    scenes = [make_example(seed).scene for seed in range(8)]
+    exact = words.embedding[words.targets(scenes)]
+    shuffled = exact[:, torch.randperm(exact.shape[1])]
+    assert words.nearest_word_accuracy(exact, scenes) == 1.0
+    assert words.nearest_word_accuracy(shuffled, scenes) < 0.9
+    assert words.loss(exact, scenes) < 0.01 < words.loss(shuffled, scenes)
+
+
+def test_stage_two_learning_rate_decays_by_half_cosine():
+    from recap.demo_vlm.train import cosine
+
+    factors = [cosine(step, 100, 0.1) for step in range(0, 101, 10)]
+    assert factors[0] == 1.0 and abs(factors[-1] - 0.1) < 1e-12 and abs(factors[5] - 0.55) < 1e-12
+    assert all(a > b for a, b in zip(factors, factors[1:], strict=False))
+
+
+@pytest.mark.slow
+def test_train_demo_vlm_command_writes_loadable_weights(tmp_path):
+    """A few steps of both stages through the real command: the file it writes loads into a
+    fresh model, records its config, and changed the vision side."""
+    import json
+
+    import torch
+    from safetensors import safe_open
+
+    from recap.cli import main
+    from recap.demo_vlm.model import build, load_trainable
+    from recap.models import smollm2_folder
+
+    out = tmp_path / "w.safetensors"
+    assert main(["train-demo-vlm", "--stage1-steps", "2", "--stage2-steps", "2", "--threads", "1",
+                 "--out", str(out)]) == 0
+    with safe_open(str(out), "pt") as handle:
+        metadata = handle.metadata()
+    assert json.loads(metadata["config"])["stage1_steps"] == 2 and metadata["stage2_steps"] == "2"
+    log = [json.loads(line) for line in out.with_suffix(".log.jsonl").read_text().splitlines()]
+    assert "held_out_word_accuracy" in log[-1]  # stage 1's held-out check ran
+    model, _ = build(smollm2_folder(), seed=0)
+    fresh = model.model.multi_modal_projector.linear_1.weight.clone()
+    load_trainable(model, out)
+    assert not torch.equal(model.model.multi_modal_projector.linear_1.weight, fresh)

@@ -116,11 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train-demo-vlm", help="train the demo VLM's vision side (about 45 min on 2 cores)")
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--stage1-steps", type=_positive, default=1500,
-                       help="vision tower alone, as a scene classifier (64 scenes a step)")
-    train.add_argument("--stage2-steps", type=_positive, default=1000,
-                       help="tower + projector through SmolLM2 (8 questions a step)")
-    train.add_argument("--threads", type=_positive, default=1)
+    train.add_argument("--stage1-steps", type=_positive, default=None,
+                       help="tower + projector without the LM: scene classes and scene words "
+                            "(64 scenes a step; default 3000)")
+    train.add_argument("--stage2-steps", type=_positive, default=None,
+                       help="tower + projector through SmolLM2 (8 questions a step; default 1800)")
+    train.add_argument("--threads", type=_positive, default=2)
     train.add_argument("--out", default=None,
                        help="weights file to write (default: the shipped src/recap/demo_vlm/weights/...)")
     return parser
@@ -174,7 +175,9 @@ def _train_demo_vlm(args: argparse.Namespace) -> int:
     from recap.models import smollm2_folder
 
     out = Path(args.out) if args.out else WEIGHTS
-    config = TrainConfig(seed=args.seed, stage1_steps=args.stage1_steps, stage2_steps=args.stage2_steps)
+    steps = {name: value for name, value in (("stage1_steps", args.stage1_steps), ("stage2_steps", args.stage2_steps))
+             if value is not None}
+    config = TrainConfig(seed=args.seed, **steps)
     train(smollm2_folder(), out, config)
     print(f"wrote {out} (loss curve: {out.with_suffix('.log.jsonl')})")
     return 0

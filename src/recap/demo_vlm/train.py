@@ -1,11 +1,16 @@
 """Training the demo VLM's vision side on this CPU, in two stages (DESIGN.md section 9).
 
-1. The vision tower alone learns to classify each scene (per grid cell: empty or colour x
-   shape; background; kind; bar colours and heights; line colour and point heights) through
-   a throw-away linear head. Images are cheap here (hundreds per second), so the tower learns
-   to see shapes and heights before any text is involved.
+1. No language model involved, so images are cheap here (hundreds per second). The vision
+   tower learns to classify each scene (per grid cell: empty or colour x shape; background;
+   kind; bar colours and heights; line colour and point heights) through a throw-away linear
+   head, and tower plus projector learn to *write the scene in words*: the 16 projected image
+   tokens regress onto SmolLM2's own input embeddings of a 16-token description such as
+   " white background red circle top left blue square bottom right . . ." (`scene_words`).
+   The frozen LM then starts stage 2 reading something close to text it already understands,
+   instead of having to discover a code for colours, shapes, positions and heights.
 2. Tower (lower learning rate) and projector learn through the frozen SmolLM2 to answer the
-   templated questions, with the loss on the answer tokens only (bfloat16 autocast).
+   templated questions, with the loss on the answer tokens only (bfloat16 autocast; the
+   vocabulary projection is computed at answer positions only, the rest never needs it).
 
 Both stages draw examples from `scenes.make_example` with seeds below `HELD_OUT_START` and
 run a fixed number of steps, so a run is reproducible from its seed (on one thread count).
@@ -15,7 +20,9 @@ most one interval.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +33,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from recap.demo_vlm.model import build, save_trainable, trainable_parameters
+from recap.demo_vlm.model import IMAGE_TOKENS, build, save_trainable, trainable_parameters
 from recap.demo_vlm.scenes import (
     BACKGROUNDS,
     CHART_MAX,
@@ -81,6 +88,65 @@ def scene_labels(scene: Scene) -> dict[str, list[int]]:
     return labels
 
 
+PAD_WORD = "."
+
+
+def scene_words(scene: Scene) -> list[str]:
+    """The scene as exactly `IMAGE_TOKENS` single-token words, the stage-1 target of the
+    projected image tokens: background and objects in reading order for shapes (a fourth
+    object's "bottom right" is cut, it is the only cell left), bar colours with their values,
+    or the line colour with its values; padded with `PAD_WORD`."""
+    if scene.kind == "shapes":
+        words = [f" {scene.background}", " background"]
+        for obj in scene.objects:
+            vertical, horizontal = obj.position.split()
+            words += [f" {obj.colour}", f" {obj.shape}", f" {vertical}", f" {horizontal}"]
+    elif scene.kind == "bar chart":
+        words = [" bar", " chart"] + [w for colour, value in scene.bars for w in (f" {colour}", str(value))]
+    else:
+        words = [f" {scene.line_colour}", " line", " chart"] + [str(v) for v in scene.points]
+    return (words + [PAD_WORD] * IMAGE_TOKENS)[:IMAGE_TOKENS]
+
+
+SCENE_WORDS = (
+    *(f" {w}" for w in (*BACKGROUNDS, *COLOURS, *SHAPES, "background", "top", "bottom", "left", "right", "bar",
+                         "line", "chart")),
+    *(str(v) for v in range(CHART_MAX + 1)), PAD_WORD,
+)
+"""Every word `scene_words` can use."""
+
+
+class SceneWords:
+    """Token ids of `scene_words` and the frozen LM embeddings they regress onto."""
+
+    def __init__(self, tokenizer, embedding: torch.Tensor):
+        ids = [tokenizer(word, add_special_tokens=False)["input_ids"] for word in SCENE_WORDS]
+        if any(len(i) != 1 for i in ids):
+            raise ValueError(f"scene words must be single tokens: {dict(zip(SCENE_WORDS, ids, strict=True))}")
+        self.vocabulary = torch.tensor([i[0] for i in ids])
+        self.embedding = embedding.detach()[self.vocabulary]
+
+    def targets(self, scenes: list[Scene]) -> torch.Tensor:
+        """(scenes, `IMAGE_TOKENS`) indices into `vocabulary`."""
+        index = {word: i for i, word in enumerate(SCENE_WORDS)}
+        return torch.tensor([[index[w] for w in scene_words(s)] for s in scenes])
+
+    def loss(self, image_tokens: torch.Tensor, scenes: list[Scene]) -> torch.Tensor:
+        """Squared distance to the target embeddings relative to their squared norm (1.0 is as
+        far as predicting zeros), plus cross-entropy of picking the right word by distance
+        among all scene words (distance alone leaves near-misses between similar words)."""
+        targets = self.targets(scenes)
+        wanted = self.embedding[targets]
+        regression = ((image_tokens - wanted) ** 2).sum(-1).mean() / (wanted**2).sum(-1).mean()
+        logits = -torch.cdist(image_tokens, self.embedding[None]) ** 2
+        return regression + nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def nearest_word_accuracy(self, image_tokens: torch.Tensor, scenes: list[Scene]) -> float:
+        """How often the nearest scene-word embedding is the right word."""
+        nearest = torch.cdist(image_tokens, self.embedding[None]).argmin(-1)
+        return float((nearest == self.targets(scenes)).float().mean())
+
+
 class SceneHead(nn.Module):
     """Linear read-out of all patch features: position matters, so no pooling."""
 
@@ -103,20 +169,23 @@ class SceneHead(nn.Module):
 @dataclass
 class TrainConfig:
     seed: int = 0
-    stage1_steps: int = 1500
-    """Batches of `stage1_batch` scenes (about 8 minutes on one core)."""
-    stage2_steps: int = 1000
-    """Batches of `batch` questions through SmolLM2 (about 2 s each on one core)."""
-    projector_only_steps: int = 250
-    """First stage-2 steps with the tower frozen, so the fresh projector's large early
-    gradients do not wash out what stage 1 taught the tower."""
+    stage1_steps: int = 3000
+    """Batches of `stage1_batch` scenes (about 7 minutes on two cores)."""
+    stage2_steps: int = 1800
+    """Batches of `batch` questions through SmolLM2 (about 1.3 s each on two cores)."""
+    projector_only_steps: int = 0
+    """First stage-2 steps with the tower frozen. 250 helped a randomly initialised projector
+    (its large early gradients washed out the tower); with the scene-words projector a
+    200-step trial scored lower with it (and projector lr 2e-3) than without (and 5e-4)."""
     stage1_batch: int = 64
     batch: int = 8
     tower_lr: float = 5e-5
+    projector_lr: float = 5e-4
+    final_lr_fraction: float = 0.1
+    """Stage-2 learning rates follow a cosine from 1 down to this fraction."""
     content_weight: float = 1.0
     """Loss weight of answer tokens that state an attribute (1 = plain mean). 4.0 was tried
     (800 steps, tower lr 1e-4, 100 projector-only steps) and scored lower held-out."""
-    projector_lr: float = 2e-3
     checkpoint_every: int = 50
 
 
@@ -127,28 +196,34 @@ def example_stream(seed: int, start: int = 0) -> Iterator[Example]:
         yield make_example(int(rng.integers(0, HELD_OUT_START)))
 
 
-def train_stage1(model, config: TrainConfig, log) -> None:
-    tower = model.model.vision_tower
+def train_stage1(model, words: SceneWords, config: TrainConfig, log) -> None:
+    tower, projector = model.model.vision_tower, model.model.multi_modal_projector
     head = SceneHead(tower.config.hidden_size * (tower.config.image_size // tower.config.patch_size) ** 2)
-    optimiser = torch.optim.AdamW([*tower.parameters(), *head.parameters()], lr=1e-3, weight_decay=0.01)
+    optimiser = torch.optim.AdamW([*tower.parameters(), *projector.parameters(), *head.parameters()],
+                                  lr=1e-3, weight_decay=0.01)
     stream = example_stream(config.seed, 1)
     tower.train()
     step = 0
-    with tqdm(desc="stage 1 (vision tower)", unit="step", total=config.stage1_steps) as bar:
+    with tqdm(desc="stage 1 (vision tower, scene words)", unit="step", total=config.stage1_steps) as bar:
         while step < config.stage1_steps:
             examples = [next(stream) for _ in range(config.stage1_batch)]
-            labels = {name: torch.tensor([scene_labels(e.scene)[name] for e in examples]) for name in HEADS}
-            loss = head.loss(tower_features(tower, pixels([e.image() for e in examples])), labels)
+            scenes = [e.scene for e in examples]
+            labels = {name: torch.tensor([scene_labels(s)[name] for s in scenes]) for name in HEADS}
+            features = tower_features(tower, pixels([e.image() for e in examples]))
+            head_loss = head.loss(features, labels)
+            words_loss = words.loss(projector(features), scenes)
+            loss = head_loss + words_loss
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
             step += 1
             bar.update()
-            bar.set_postfix(loss=f"{loss.item():.3f}")
+            bar.set_postfix(head=f"{head_loss.item():.3f}", words=f"{words_loss.item():.3f}")
             if step % 20 == 0:
-                log({"stage": 1, "step": step, "loss": loss.item()})
+                log({"stage": 1, "step": step, "loss": head_loss.item(), "words_loss": words_loss.item()})
     tower.eval()
-    log({"stage": 1, "held_out_accuracy": head_accuracy(tower, head)})
+    log({"stage": 1, "held_out_accuracy": head_accuracy(tower, head),
+         "held_out_word_accuracy": word_accuracy(tower, projector, words)})
 
 
 def tower_features(tower, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -171,6 +246,14 @@ def head_accuracy(tower, head: SceneHead, n: int = 512) -> dict[str, float]:
         mask = target != IGNORE
         result[name] = float((part[mask] == target[mask]).float().mean()) if mask.any() else float("nan")
     return result
+
+
+@torch.no_grad()
+def word_accuracy(tower, projector, words: SceneWords, n: int = 512) -> float:
+    """Held-out share of projected image tokens nearest to their `scene_words` word."""
+    examples = [make_example(HELD_OUT_START + i) for i in range(n)]
+    tokens = projector(tower_features(tower, pixels([e.image() for e in examples])))
+    return words.nearest_word_accuracy(tokens, [e.scene for e in examples])
 
 
 def answer_batch(processor, examples: list[Example], content_weight: float = 1.0) -> dict[str, torch.Tensor]:
@@ -206,6 +289,8 @@ def train_stage2(model, processor, config: TrainConfig, out: Path, log) -> None:
         {"params": tower_params, "lr": config.tower_lr},
         {"params": list(model.model.multi_modal_projector.parameters()), "lr": config.projector_lr},
     ], weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, functools.partial(
+        cosine, steps=config.stage2_steps, floor=config.final_lr_fraction))
     stream = example_stream(config.seed, 2)
     model.train()
     step, recent = 0, []
@@ -216,11 +301,11 @@ def train_stage2(model, processor, config: TrainConfig, out: Path, log) -> None:
             batch = answer_batch(processor, [next(stream) for _ in range(config.batch)], config.content_weight)
             labels, weights = batch.pop("labels"), batch.pop("weights")
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(**batch).logits
-            loss = weighted_loss(logits, labels, weights)
+                loss = answer_loss(model, batch, labels, weights)
             optimiser.zero_grad()
             loss.backward()
             optimiser.step()
+            schedule.step()
             step += 1
             recent = (recent + [loss.item()])[-50:]
             bar.update()
@@ -233,12 +318,20 @@ def train_stage2(model, processor, config: TrainConfig, out: Path, log) -> None:
     save_trainable(model, out, _metadata(config, step))
 
 
-def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy, weighted per target token (prompt and padding weigh 0)."""
-    losses = nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), labels[:, 1:],
-                                         ignore_index=IGNORE, reduction="none")
-    weights = weights[:, 1:]
-    return (losses * weights).sum() / weights.sum()
+def cosine(step: int, steps: int, floor: float) -> float:
+    """Learning-rate factor: a half cosine from 1 at step 0 to ``floor`` at ``steps``."""
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(step, steps) / steps))
+
+
+def answer_loss(model, batch: dict[str, torch.Tensor], labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy on the answer tokens, weighted per token. The vocabulary
+    projection (a fifth of SmolLM2's weights) runs on the answer positions only."""
+    hidden = model.model(**batch).last_hidden_state[:, :-1]
+    targets, weights = labels[:, 1:], weights[:, 1:]
+    scored = targets != IGNORE
+    logits = model.lm_head(hidden[scored]).float()
+    losses = nn.functional.cross_entropy(logits, targets[scored], reduction="none")
+    return (losses * weights[scored]).sum() / weights[scored].sum()
 
 
 def _metadata(config: TrainConfig, steps: int) -> dict[str, str]:
@@ -251,10 +344,8 @@ def train(smollm2_folder: Path, out: Path, config: TrainConfig) -> None:
     curve beside it (``out`` with suffix .log.jsonl)."""
     torch.manual_seed(config.seed)
     model, processor = build(smollm2_folder, seed=config.seed)
-    for param in model.parameters():
-        param.requires_grad = False
-    for param in model.model.vision_tower.parameters():
-        param.requires_grad = True
+    trainable_parameters(model)
+    words = SceneWords(processor.tokenizer, model.get_input_embeddings().weight)
     log_path = out.with_suffix(".log.jsonl")
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as handle:
@@ -263,5 +354,5 @@ def train(smollm2_folder: Path, out: Path, config: TrainConfig) -> None:
             handle.flush()
 
         started = time.monotonic()
-        train_stage1(model, config, log)
+        train_stage1(model, words, config, log)
         train_stage2(model, processor, config, out, log)
