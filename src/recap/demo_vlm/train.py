@@ -128,8 +128,7 @@ class SceneWords:
 
     def targets(self, scenes: list[Scene]) -> torch.Tensor:
         """(scenes, `IMAGE_TOKENS`) indices into `vocabulary`."""
-        index = {word: i for i, word in enumerate(SCENE_WORDS)}
-        return torch.tensor([[index[w] for w in scene_words(s)] for s in scenes])
+        return torch.tensor([[SCENE_WORDS.index(w) for w in scene_words(s)] for s in scenes])
 
     def loss(self, image_tokens: torch.Tensor, scenes: list[Scene]) -> torch.Tensor:
         """Squared distance to the target embeddings relative to their squared norm (1.0 is as
@@ -172,7 +171,7 @@ class TrainConfig:
     stage1_steps: int = 3000
     """Batches of `stage1_batch` scenes (about 7 minutes on two cores)."""
     stage2_steps: int = 1800
-    """Batches of `batch` questions through SmolLM2 (about 1.3 s each on two cores)."""
+    """Batches of `batch` questions through SmolLM2 (about 1.4 s each on two cores)."""
     projector_only_steps: int = 0
     """First stage-2 steps with the tower frozen. 250 helped a randomly initialised projector
     (its large early gradients washed out the tower); with the scene-words projector a
@@ -222,8 +221,11 @@ def train_stage1(model, words: SceneWords, config: TrainConfig, log) -> None:
             if step % 20 == 0:
                 log({"stage": 1, "step": step, "loss": head_loss.item(), "words_loss": words_loss.item()})
     tower.eval()
-    log({"stage": 1, "held_out_accuracy": head_accuracy(tower, head),
-         "held_out_word_accuracy": word_accuracy(tower, projector, words)})
+    with torch.no_grad():
+        examples = [make_example(HELD_OUT_START + i) for i in range(512)]  # drawn and run once for both
+        scenes, features = [e.scene for e in examples], tower_features(tower, pixels([e.image() for e in examples]))
+        log({"stage": 1, "held_out_accuracy": head_accuracy(head, features, scenes),
+             "held_out_word_accuracy": words.nearest_word_accuracy(projector(features), scenes)})
 
 
 def tower_features(tower, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -232,12 +234,11 @@ def tower_features(tower, pixel_values: torch.Tensor) -> torch.Tensor:
     return tower(pixel_values=pixel_values, output_hidden_states=True).hidden_states[-1]
 
 
-@torch.no_grad()
-def head_accuracy(tower, head: SceneHead, n: int = 512) -> dict[str, float]:
-    """Stage-1 accuracy per head on held-out scenes (slots that apply only)."""
-    examples = [make_example(HELD_OUT_START + i) for i in range(n)]
-    logits = head.linear(tower_features(tower, pixels([e.image() for e in examples])).flatten(1))
-    labels = [scene_labels(e.scene) for e in examples]
+def head_accuracy(head: SceneHead, features: torch.Tensor, scenes: list[Scene]) -> dict[str, float]:
+    """Stage-1 accuracy per head on the tower ``features`` of ``scenes`` (slots that apply only)."""
+    n = len(scenes)
+    logits = head.linear(features.flatten(1))
+    labels = [scene_labels(scene) for scene in scenes]
     result, start = {}, 0
     for name, (slots, classes) in HEADS.items():
         part = logits[:, start : start + slots * classes].reshape(n, slots, classes).argmax(-1)
@@ -246,14 +247,6 @@ def head_accuracy(tower, head: SceneHead, n: int = 512) -> dict[str, float]:
         mask = target != IGNORE
         result[name] = float((part[mask] == target[mask]).float().mean()) if mask.any() else float("nan")
     return result
-
-
-@torch.no_grad()
-def word_accuracy(tower, projector, words: SceneWords, n: int = 512) -> float:
-    """Held-out share of projected image tokens nearest to their `scene_words` word."""
-    examples = [make_example(HELD_OUT_START + i) for i in range(n)]
-    tokens = projector(tower_features(tower, pixels([e.image() for e in examples])))
-    return words.nearest_word_accuracy(tokens, [e.scene for e in examples])
 
 
 def answer_batch(processor, examples: list[Example], content_weight: float = 1.0) -> dict[str, torch.Tensor]:
