@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint check-all clean
+.PHONY: demo test lint check-all gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,17 @@ check-all: $(STAMP)
 	for method in $(CHECK_METHODS); do \
 		$(VENV)/bin/recap check --model smollm2-135m --method $$method --prompts 10 --vary --threads 1 || exit 1; \
 	done
+
+# On a machine with one CUDA GPU (not part of `make test` or CI), under 8 minutes: float32
+# losslessness on cuda (recap, recap-paper, sam, pld x the tiny models and SmolLM2), the
+# verify-cost profile and a short bench; one summary on stdout, everything in $(GPU_CHECK_OUT).
+# Needs no venv there: python3 with torch and the dependencies, the package from src/.
+# Miniature on a CPU: make gpu-check GPU_CHECK_ARGS="--device cpu --quick"
+GPU_CHECK_OUT ?= gpu-check.json
+GPU_CHECK_ARGS ?=
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHONPATH=src$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

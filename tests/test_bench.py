@@ -394,7 +394,7 @@ class _EagerDrafter(BaseProposer):
 
     name = "eager"
 
-    def propose(self, history):
+    def propose(self, history, limits=None):
         return DraftTree([history[-1]] * 3, [-1, 0, 1])
 
 

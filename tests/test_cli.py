@@ -5,6 +5,7 @@ import json
 from PIL import Image
 
 from recap.cli import main
+from recap.demo import DEMO_SCENES
 
 
 def test_generate_json_reports_tokens_and_timings(capsys):
@@ -43,7 +44,8 @@ def test_overhead_json_has_the_per_iteration_total(capsys):
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["total_ms_median"] > 0 and result["method"] == "recap"
-    assert {"propose", "packing", "observe", "search", "suffix", "refresh", "automaton"} <= set(result["stages"])
+    # Cost-aware RECAP splits propose into candidates and the size choice (recap-paper: search, suffix).
+    assert {"propose", "packing", "observe", "candidates", "choice", "refresh", "automaton"} <= set(result["stages"])
 
 
 def test_demo_runs_and_checks_identity(capsys):
@@ -66,6 +68,6 @@ def test_demo_on_a_vision_language_model_saves_its_scenes(capsys, tmp_path):
     assert main(["demo", "--model", "tiny-llava-next", "--max-new-tokens", "6", "--methods", "recap",
                  "--out", str(tmp_path)]) == 0
     pngs = sorted(p.name for p in tmp_path.glob("*.png"))
-    assert len(pngs) == 4
+    assert len(pngs) == len(DEMO_SCENES)
     out = capsys.readouterr().out
     assert "truth:" in out and "outputs identical to AR: yes" in out and pngs[0] in out

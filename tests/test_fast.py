@@ -17,7 +17,7 @@ from recap.core import DraftTree, PromptRows, VerifiedTree
 from recap.core.fast import FUSION_CODES, FastMemory, context_of, fusion_code
 from recap.core.fusion import FUSION_MODES
 from recap.core.memory import PredictionMemory
-from recap.proposers.recap import RecapProposer
+from recap.proposers.recap import RecapPaperProposer, RecapProposer
 
 MODES = list(FUSION_CODES)
 ETA_CHOICES = [
@@ -128,7 +128,7 @@ class World:
         proposer._excluded = excluded
         proposer._fusion_cache.clear()
         try:
-            builder = proposer.build_tree(list(history))
+            builder, reference_q = proposer.build_tree(list(history))
         except ZeroDivisionError:  # a row whose kept probabilities sum to 0 (not sorted highest first)
             builder = None
         mask = None
@@ -143,10 +143,13 @@ class World:
             with pytest.raises(ZeroDivisionError):
                 self.fast.build_tree(*arguments)
             return
-        tokens, parents, depths = self.fast.build_tree(*arguments)
+        tokens, parents, depths, q = self.fast.build_tree(*arguments)
         assert tokens.dtype == parents.dtype == depths.dtype == np.int64
         got = (tokens.tolist(), parents.tolist(), depths.tolist())
         assert got == (builder.tokens, builder.parents, builder.depths), (history, sorted(excluded), config)
+        # q: each node's fused probability under its parent's context, as the reference has it.
+        assert q.dtype == np.float64 and len(q) == len(reference_q)
+        np.testing.assert_allclose(q, reference_q, rtol=1e-12, atol=0)
 
     def random_config(self, mode: str) -> dict:
         rng = self.rng
@@ -231,7 +234,9 @@ def test_synthetic_decode_trajectory_matches_the_reference():
     from recap.overhead import SyntheticTarget
 
     target = SyntheticTarget(3000, seed=3)
-    proposer = RecapProposer(suffix_tokens=0, engine="python")
+    # The paper's configuration proposes exactly the searched tree (the cost-aware one reorders
+    # and cuts it); the search's q is checked too.
+    proposer = RecapPaperProposer(suffix_tokens=0, engine="python")
     fast = FastMemory(target.vocab_size, target.top_k)
     c = proposer.config
     etas, priors = np.array(proposer._etas), np.array(c.priors)
@@ -246,10 +251,13 @@ def test_synthetic_decode_trajectory_matches_the_reference():
         history = [*prompt, first]
         while len(history) < len(prompt) + 40:
             tree = proposer.propose(history)
-            tokens, parents, depths = fast.build_tree(context_of(history), c.budget, c.max_depth, c.width, c.top_k,
+            tokens, parents, depths, q = fast.build_tree(context_of(history), c.budget, c.max_depth, c.width, c.top_k,
                                                       etas, priors, c.fusion)
             assert (tokens.tolist(), parents.tolist(), depths.tolist()) == (
                 tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist())
+            reference_q = proposer.search(history[-3:])[3]
+            assert len(reference_q) == len(q) and np.all((q > 0) & (q <= 1))
+            np.testing.assert_allclose(q, reference_q, rtol=1e-9, atol=1e-12)
             step = target.verify(history[-1], tree)
             target.commit(step.accepted)
             fast.refresh(context_of(history), step.tree.tokens, step.tree.parents, step.topk_ids, step.topk_logits)
@@ -320,5 +328,5 @@ def test_bad_inputs_raise_and_write_nothing():
     assert fast.counts() == (2, 2, 1) and fast.nbytes() > 0
     with pytest.raises(ValueError):
         fast.build_tree((2, 3, 1), 4, 3, 2, 2, np.ones(2), np.ones(3))  # etas too short
-    tokens, parents, depths = fast.build_tree((2, 3, 1), 4, 3, 2, 2, np.ones(4), np.ones(3))
+    tokens, parents, depths, _ = fast.build_tree((2, 3, 1), 4, 3, 2, 2, np.ones(4), np.ones(3))
     assert len(tokens) == len(parents) == len(depths) == 4

@@ -6,10 +6,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import recap
+import recap.check as check_module
 from recap.check import run_check
 from recap.cli import main
+from recap.core import CostProfile
 from recap.core.memory import make_row
 from recap.core.persistence import MemoryFileError
+from recap.prompts import check_prompts
 from recap.proposers import ABLATIONS, RecapProposer
 
 from .conftest import load_target
@@ -20,23 +23,61 @@ def _assert_all_passed(report):
     assert not failures, f"{len(failures)} mismatches (case, first differing token): {failures}"
 
 
+def _assert_drafts_accepted(report):
+    """A losslessness check in which no draft was accepted would prove nothing."""
+    assert report.tau > 1.0, f"no draft accepted (tau {report.tau})"
+
+
+CPU_LIKE = CostProfile.linear(0.05)
+"""t(N) = 1 + 0.05 (N - 1): a verify-cost curve like a small CPU's."""
+
+
+def _check(monkeypatch, target, method, cost=CPU_LIKE, **options):
+    """`run_check` with every decode given ``cost`` (cost-aware RECAP would otherwise measure
+    this machine's profile, making the trees depend on the load at that moment)."""
+
+    def decode_with_cost(*args, **kwargs):
+        if kwargs.get("cost") is None:
+            kwargs["cost"] = cost
+        return recap.decode(*args, **kwargs)
+
+    monkeypatch.setattr(check_module, "decode", decode_with_cost)
+    return run_check(target, method, **options)
+
+
+def _repeated(target, count):
+    """``count`` built-in (prompt, image) pairs, each asked twice in a row: random-weight models
+    only give RECAP something to recycle when a request repeats."""
+    return [item for item in check_prompts(count, images=target.accepts_images) for _ in range(2)]
+
+
 # ----------------------------------------------------------------------------- losslessness
-def test_recap_is_lossless_on_tiny_architectures(tiny_target):
-    report = run_check(tiny_target, "recap", prompts=30, max_new_tokens=40, vary=True, seed=11)
+def test_recap_is_lossless_on_tiny_architectures(tiny_target, monkeypatch):
+    """(``recap-paper`` on every architecture: tests/test_recap_cost_aware.py.)"""
+    report = _check(monkeypatch, tiny_target, "recap", items=_repeated(tiny_target, 15), max_new_tokens=40, vary=True,
+                    seed=11)
     _assert_all_passed(report)
+    _assert_drafts_accepted(report)
 
 
 @pytest.mark.parametrize("ablation", list(ABLATIONS))
-def test_every_ablation_is_lossless(ablation):
+def test_every_ablation_is_lossless(ablation, monkeypatch):
     target = load_target("tiny-qwen2.5-vl")
-    _assert_all_passed(run_check(target, RecapProposer(ablation=ablation), prompts=6, max_new_tokens=24, seed=12))
+    report = _check(monkeypatch, target, RecapProposer(ablation=ablation), items=_repeated(target, 3),
+                    max_new_tokens=24, seed=12)
+    _assert_all_passed(report)
+    _assert_drafts_accepted(report)
 
 
 @pytest.mark.slow
-def test_recap_is_lossless_and_recycles_on_smollm2(smollm2):
-    report = run_check(smollm2, "recap", prompts=5, max_new_tokens=32, seed=13)
+def test_recap_is_lossless_and_recycles_on_smollm2(smollm2, monkeypatch):
+    paper = run_check(smollm2, "recap-paper", prompts=5, max_new_tokens=32, seed=13)
+    _assert_all_passed(paper)
+    assert paper.tau > 1.5  # a real model's own predictions are worth recycling
+    # Cost-aware, under a CPU-like curve (t(64) ~ 4.8 t(1)): smaller trees, still accepted.
+    report = _check(monkeypatch, smollm2, "recap", CostProfile.linear(0.06), prompts=5, max_new_tokens=32, seed=13)
     _assert_all_passed(report)
-    assert report.tau > 1.5  # a real model's own predictions are worth recycling
+    _assert_drafts_accepted(report)
 
 
 def _random_rows(draw, vocab, count):
@@ -202,8 +243,9 @@ def test_cli_memory_file_round_trip_and_bad_file(capsys, tmp_path):
 
 
 def test_recap_options_are_refused_for_other_methods(capsys):
-    assert main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--ablation", "gate"]) == 2
-    assert "recap only" in capsys.readouterr().err
+    # (generate's default method is recap: name another one)
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--method", "pld", "--ablation", "gate"]) == 2
+    assert "apply to --method recap" in capsys.readouterr().err
 
 
 def test_unknown_ablation_via_api():

@@ -265,7 +265,7 @@ def _planted(cls):
         def set_reference(self, reference):
             self.reference = list(reference)
 
-        def propose(self, history):
+        def propose(self, history, limits=None):
             tree = super().propose(history)
             self.excluded_drafted += bool(self.prompt.excluded_tokens & set(tree.tokens.tolist()))
             return tree

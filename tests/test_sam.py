@@ -186,7 +186,7 @@ class _Recorder(SamViSkipProposer):
         super().begin_request(prompt)
         self.records.append((prompt.ids.tolist(), prompt.image_attention))
 
-    def propose(self, history):
+    def propose(self, history, limits=None):
         self._pending = list(history)
         super().propose(history)
         tokens = [t for t in history[-6:] if t not in self.prompt.excluded_tokens][-3:]
@@ -269,7 +269,7 @@ class _Seeded:
         self.requests += 1
         self._prefix = self._reference if self.requests % 2 == 0 else []
 
-    def propose(self, history):
+    def propose(self, history, limits=None):
         return super().propose(self._prefix + list(history))
 
 

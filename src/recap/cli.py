@@ -1,4 +1,4 @@
-"""``recap`` command line: generate, check, overhead, bench, demo, train-demo-vlm.
+"""``recap`` command line: generate, check, overhead, bench, demo, calibrate, train-demo-vlm, demo-vlm-data.
 
 Bad input (a missing image, an unknown model, an empty prompt...) is reported on one line
 with exit status 2, never as a traceback.
@@ -37,6 +37,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
     parser.add_argument("--top-k", type=_positive, default=8, help="Top-K row size reported to proposers")
+    _cost_option(parser)
+
+
+def _cost_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--cost-profile", default="auto", metavar="{auto,flat,FILE}",
+                        help="verify-cost profile for cost-aware drafting: auto (cached, measured once if "
+                             "missing), flat (verification is free: paper-sized trees) or a file from "
+                             "`recap calibrate --out`")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,14 +56,15 @@ class _Parser(argparse.ArgumentParser):
 
 def _recap_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ablation", choices=list(ABLATIONS), default=None,
-                        help="recap only: change one ingredient (fusion rule, memory scope, suffix)")
-    parser.add_argument("--budget", type=int, default=None, help="recap only: tree candidates, root excluded (63)")
+                        help="recap, recap-paper: change one ingredient (cost, calibration, continuations, fusion)")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="recap: most recycled candidates a step, root excluded (63; recap-paper drafts all)")
 
 
 def _make_method(args: argparse.Namespace) -> Proposer:
     """The proposer the arguments ask for; recap-only options on another method are an error."""
     options = {}
-    if args.method == "recap":
+    if args.method in ("recap", "recap-paper"):
         if args.ablation:
             options["ablation"] = args.ablation
         if args.budget is not None:
@@ -66,7 +75,7 @@ def _make_method(args: argparse.Namespace) -> Proposer:
         if memory and os.path.exists(memory):
             options["memory_file"] = memory
     elif args.ablation or args.budget is not None or getattr(args, "memory", None):
-        raise InputError("--ablation, --budget and --memory apply to --method recap only")
+        raise InputError("--ablation, --budget and --memory apply to --method recap and recap-paper only")
     return make_proposer(args.method, **options)
 
 
@@ -78,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(generate)
     generate.add_argument("--prompt", required=True)
     generate.add_argument("--image", default=None, help="image file (vision-language models only)")
-    generate.add_argument("--method", choices=list(PROPOSERS), default="ar")
+    generate.add_argument("--method", choices=list(PROPOSERS), default="recap")
     _recap_options(generate)
     generate.add_argument("--memory", default=None, metavar="FILE",
                           help="recap: token memory U to start from (if the file exists) and to save back after")
@@ -105,14 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser("demo", help="AR vs drafters on the demo VLM's scenes: identical outputs, speedup")
     demo.add_argument("--model", default="recap-demo-vlm", help="recap-demo-vlm (scenes) or a text model (prompts)")
-    demo.add_argument("--methods", default="pld,recap", help="comma-separated methods to compare with AR")
-    demo.add_argument("--budget", type=int, default=16,
-                      help="recap: tree candidates, root excluded (default 16, CPU-sized; the paper uses 63)")
+    demo.add_argument("--methods", default="pld,sam,recap", help="comma-separated methods to compare with AR")
+    demo.add_argument("--budget", type=int, default=None,
+                      help="recap/recap-paper: recycled candidates per step, root excluded (default 63)")
     demo.add_argument("--out", default="demo-out", help="folder for the demo scenes' PNG images")
     demo.add_argument("--dtype", choices=list(DTYPES), default="float32")
     demo.add_argument("--threads", type=_positive, default=1)
     demo.add_argument("--max-new-tokens", type=int, default=64)
+    _cost_option(demo)
     _add_bench(commands)
+    _add_calibrate(commands)
+    _add_demo_vlm_data(commands)
 
     train = commands.add_parser("train-demo-vlm", help="train the demo VLM's vision side (about 45 min on 2 cores)")
     train.add_argument("--seed", type=int, default=0)
@@ -144,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         if args.command == "train-demo-vlm":
             return _train_demo_vlm(args)
+        if args.command == "calibrate":
+            return _calibrate(args)
+        if args.command == "demo-vlm-data":
+            return _demo_vlm_data(args)
         from recap.demo import run_demo
 
         methods = tuple(m for m in args.methods.split(",") if m)
@@ -152,10 +168,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             real = [m for m in PROPOSERS if m not in ("ar", "decoy", "random")]
             raise InputError(f"--methods takes drafting methods ({', '.join(real)}); "
                              f"got {args.methods!r}")
-        if args.budget < 0:
+        if args.budget is not None and args.budget < 0:
             raise InputError(f"--budget cannot be negative, got {args.budget}")
         return run_demo(args.model, methods, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                        budget=args.budget, out=args.out)
+                        budget=args.budget, out=args.out, cost_profile=args.cost_profile)
     except InputError as error:
         print(f"recap: error: {error}", file=sys.stderr)
         return 2
@@ -199,6 +215,7 @@ def _generate(args: argparse.Namespace) -> int:
     image = load_image(args.image) if args.image else None
     proposer = _make_method(args)
     target = load(args.model, dtype=args.dtype, top_k=args.top_k)
+    target.use_cost_profile(args.cost_profile)
     if image is not None and not target.accepts_images:
         raise InputError(f"{args.model} is a text-only model: it cannot take an image")
     _note_text_only(args, target)
@@ -240,6 +257,7 @@ def _check(args: argparse.Namespace) -> int:
 
     proposer = _make_method(args)
     target = load(args.model, dtype=args.dtype, top_k=args.top_k)
+    target.use_cost_profile(args.cost_profile)
     _note_text_only(args, target)
     exact = args.dtype == "float32"
     with Progress(transient=True) as progress:
@@ -285,6 +303,7 @@ def _add_bench(commands) -> None:
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up decode of each method")
     bench.add_argument("--report-only", action="store_true",
                        help="only rewrite summary.json, report.md and the plots from --out's results")
+    _cost_option(bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -311,7 +330,8 @@ def _bench(args: argparse.Namespace) -> int:
     topics = [t for t in args.topics.split(",") if t.strip()] if args.topics else None
     config = BenchConfig(model=args.model, methods=args.methods, data=args.data, topics=topics, limit=limit,
                          dtype=args.dtype, threads=args.threads, max_new_tokens=args.max_new_tokens,
-                         seed=args.seed, out=Path(args.out), warmup=not args.no_warmup)
+                         seed=args.seed, out=Path(args.out), warmup=not args.no_warmup,
+                         cost_profile=args.cost_profile)
     run = run_bench(config, console=console)
     if run.interrupted:
         print(f"recap: interrupted after {run.units_run} new unit(s); {args.out}/results.jsonl holds every finished "
@@ -328,6 +348,86 @@ def _bench(args: argparse.Namespace) -> int:
         console.print(f"[bold red]MISMATCH[/]: {summary['mismatches']} output(s) differ from AR; see "
                       f"{args.out}/report.md")
         return 1 if args.dtype == "float32" else 0
+    return 0
+
+
+def _add_calibrate(commands) -> None:
+    calibrate = commands.add_parser("calibrate", help="measure what verifying N tokens costs here (cost profile)")
+    calibrate.add_argument("--model", required=True,
+                           help=f"built-in name ({', '.join(BUILTIN)}) or a local Hugging Face model folder")
+    calibrate.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    calibrate.add_argument("--threads", type=_positive, default=None,
+                           help="torch CPU threads, pinned and recorded in the profile (default: torch's)")
+    calibrate.add_argument("--device", default="cpu", help="torch device, e.g. cuda")
+    calibrate.add_argument("--quick", action="store_true", help="fewer sizes and repeats (what auto measures)")
+    calibrate.add_argument("--out", default=None, metavar="FILE", help="also write the profile to FILE")
+    calibrate.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """Measure now, save to the cache (what `auto` then finds) and to --out."""
+    import time
+
+    from rich.progress import Progress
+
+    from recap.models import load
+    from recap.target.profile import measure_profile, profile_path, save_profile
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as error:
+        raise InputError(f"unknown --device {args.device!r}: {str(error).splitlines()[0]}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda: this torch build or machine has no CUDA device")
+    target = load(args.model, dtype=args.dtype, device=args.device)
+    started = time.perf_counter()
+    with Progress(transient=True, disable=args.json) as progress:
+        task = progress.add_task(f"verify cost of {args.model}", total=None)
+        profile = measure_profile(target, quick=args.quick,
+                                  progress=lambda done, total: progress.update(task, completed=done, total=total))
+    seconds = time.perf_counter() - started
+    paths = [save_profile(profile, profile_path(profile.key))]
+    if args.out:
+        try:
+            paths.append(save_profile(profile, args.out))
+        except OSError as error:
+            raise InputError(f"cannot write {args.out}: {error.strerror or error}") from None
+    if args.json:
+        print(json.dumps({"profile": profile.to_dict(), "seconds": seconds, "saved": [str(p) for p in paths]}))
+        return 0
+    key = profile.key
+    gpu = f" {key['gpu']}" if key["gpu"] else ""
+    print(f"verify cost of {args.model} ({key['dtype']}, {key['threads']} thread(s), {key['device']}{gpu}, "
+          f"{key['cpu']}), measured in {seconds:.1f} s")
+    contexts = [int(c) for c in profile.contexts]
+    print(f"{'N':>5}" + "".join(f"{f'ms @L={c}':>13}{f'x1 @L={c}':>12}" for c in contexts))
+    for s, n in enumerate(profile.sizes.astype(int)):
+        row = profile.times[:, s]
+        print(f"{n:>5}" + "".join(f"{t * 1e3:>13.2f}{t / profile.times[c, 0]:>11.2f}x" for c, t in enumerate(row)))
+    for path in paths:
+        print(f"saved {path}")
+    return 0
+
+
+def _add_demo_vlm_data(commands) -> None:
+    data = commands.add_parser("demo-vlm-data", help="write held-out demo VLM scenes as MMSpec-format data for bench")
+    data.add_argument("--out", required=True, metavar="DIR", help="folder to write mmspec.jsonl and images/ into")
+    data.add_argument("--per-topic", type=_positive, default=2,
+                      help="items per topic (captioning, shapes, charts, multi-turn; default 2)")
+
+
+def _demo_vlm_data(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    from recap.bench.data import DATA_FILE, load_items, units_of
+    from recap.demo_vlm.bench_data import write_scene_benchmark
+
+    out = write_scene_benchmark(Path(args.out), per_topic=args.per_topic)
+    items = load_items(out / DATA_FILE)
+    topics = ", ".join(dict.fromkeys(item.topic for item in items))
+    print(f"wrote {len(items)} items ({len(units_of(items))} units; topics {topics}) to {out}")
+    print(f"next: recap bench --model recap-demo-vlm --data {shlex.quote(str(out))} --limit all --max-new-tokens 64")
     return 0
 
 

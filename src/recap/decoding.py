@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from PIL import Image
 
+from recap.core import CostProfile, StepLimits
 from recap.errors import InputError
 from recap.proposers import Proposer, make_proposer
 from recap.target import ModelInputs, TargetModel
@@ -65,9 +66,13 @@ class GenerationResult:
 
 
 def decode(target: TargetModel, proposer: Proposer, inputs: ModelInputs, *, max_new_tokens: int = 128,
-           eos_token_ids: Sequence[int] | None = None) -> GenerationResult:
+           eos_token_ids: Sequence[int] | None = None, cost: CostProfile | None = None) -> GenerationResult:
     """Greedy generation of at most ``max_new_tokens`` tokens, stopping after any EOS token.
-    The output equals ``model.generate(do_sample=False)``; the proposer only changes speed."""
+    The output equals ``model.generate(do_sample=False)``; the proposer only changes speed.
+
+    A cost-aware proposer (``wants_cost``) sizes each tree with ``cost``, by default the
+    target's own verify-cost profile (`TargetModel.verify_cost`: cached, or measured once);
+    every verification's measured time then corrects that profile online."""
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
     window = getattr(target, "sliding_window", None)
@@ -79,6 +84,8 @@ def decode(target: TargetModel, proposer: Proposer, inputs: ModelInputs, *, max_
     capture = getattr(target, "capture_image_attention", None)
     if capture is not None:  # only proposers that gate on it (sam-viskip) pay for the measurement
         capture(bool(getattr(proposer, "wants_image_attention", False)))
+    if cost is None and getattr(proposer, "wants_cost", False) and hasattr(target, "verify_cost"):
+        cost = target.verify_cost()
     clock = time.perf_counter
     start = clock()
     rows, first = target.prefill(inputs)
@@ -90,7 +97,8 @@ def decode(target: TargetModel, proposer: Proposer, inputs: ModelInputs, *, max_
         result.stop_reason = "eos"
     while not done:
         t0 = clock()
-        tree = proposer.propose(history)
+        context_len = target.past_len
+        tree = proposer.propose(history, StepLimits(cost=cost, context_len=context_len))
         t1 = clock()
         step = target.verify(history[-1], tree)
         committed = step.committed
@@ -105,6 +113,10 @@ def decode(target: TargetModel, proposer: Proposer, inputs: ModelInputs, *, max_
         if not done:
             target.commit(step.accepted)
         t2 = clock()
+        if cost is not None:
+            cost.observe(len(tree) + 1, context_len, t2 - t1)
+        if len(taken) < len(committed):  # tokens past EOS or the limit are never learned
+            step = replace(step, kept=len(taken))
         proposer.observe(step)
         t3 = clock()
         result.cut_inside_path |= len(taken) < len(committed)
@@ -118,7 +130,7 @@ def decode(target: TargetModel, proposer: Proposer, inputs: ModelInputs, *, max_
 
 
 def generate(target: TargetModel, prompt: str | list[dict], *, image: Image.Image | None = None,
-             method: str | Proposer = "ar", max_new_tokens: int = 128) -> GenerationResult:
+             method: str | Proposer = "recap", max_new_tokens: int = 128) -> GenerationResult:
     """Prepare the prompt (and image), decode with ``method``, and decode the text."""
     proposer = make_proposer(method) if isinstance(method, str) else method
     inputs = target.prepare(prompt, image)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from recap.core import DraftTree, PromptRows, VerifiedTree
+from recap.core import CostProfile, DraftTree, PromptRows, StepLimits, VerifiedTree
 from recap.core.tree import additive_mask
 from recap.proposers import Proposer, RecapProposer, make_proposer
 
@@ -183,11 +183,30 @@ def pack_tree(root: int, tree: DraftTree, past_len: int) -> tuple[np.ndarray, np
     return tokens, depths + past_len, additive_mask(tree.ancestor_matrix(), past_len, _MASK_MIN)
 
 
+REPLAY_COST = CostProfile.linear(0.06)
+"""The verify-cost curve cost-aware proposers are given in the replay (t(64) ~ 4.8 t(1), as
+measured for SmolLM2 fp32 on a 2-core CPU): the choice is made, its host cost counted."""
+
+
+def _replay_limits(proposer: Proposer, history: Sequence[int]) -> StepLimits | None:
+    return StepLimits(cost=REPLAY_COST, context_len=len(history) - 1) if getattr(proposer, "wants_cost", False) \
+        else None
+
+
 def _timed_propose(proposer: RecapProposer, history: Sequence[int],
                    clock: Callable[[], float]) -> tuple[DraftTree, dict[str, float]]:
     """`RecapProposer.propose` stage by stage (it is exactly these calls). With the Python
     engine, ``fused`` is wrapped on this instance during the call to time lookup + fusion; the
     numba engine does lookup, fusion and search in one compiled call, reported as ``search``."""
+    if proposer.config.scored:  # cost-aware: candidates (search + continuations), then the choice
+        t0 = clock()
+        proposer.sync_automaton(history)
+        proposer._context = list(history[-3:])
+        candidates = proposer.candidates(history)
+        t1 = clock()
+        tree = proposer.select(candidates, _replay_limits(proposer, history))
+        t2 = clock()
+        return tree, {"total": t2 - t0, "candidates": t1 - t0, "choice": t2 - t1}
     fusion = 0.0
     wrapped = proposer.config.engine == "python"
     if wrapped:
@@ -206,7 +225,7 @@ def _timed_propose(proposer: RecapProposer, history: Sequence[int],
         proposer.sync_automaton(history)
         t1 = clock()
         proposer._context = list(history[-3:])
-        tokens, parents, depths = proposer.search(proposer._context)
+        tokens, parents, depths, _ = proposer.search(proposer._context)
         t2 = clock()
         proposer.add_suffix(tokens, parents, depths)
         t3 = clock()
@@ -224,13 +243,12 @@ def _timed_propose(proposer: RecapProposer, history: Sequence[int],
 
 
 def _timed_observe(proposer: RecapProposer, step: VerifiedTree, clock: Callable[[], float]) -> dict[str, float]:
-    """`RecapProposer.observe` split into the memory refresh and the automaton update."""
+    """`RecapProposer.observe` split into the memory refresh and the rest (automaton update,
+    and for cost-aware configurations the output and calibration updates)."""
     t0 = clock()
     proposer.refresh(step)
     t1 = clock()
-    if proposer.config.suffix_tokens:
-        for token in step.committed:
-            proposer.automaton.extend(token)
+    proposer.absorb(step)
     t2 = clock()
     return {"total": t2 - t0, "refresh": t1 - t0, "automaton": t2 - t1}
 
@@ -267,7 +285,7 @@ def _replay(proposer: Proposer, target: SyntheticTarget, prompts: list[list[int]
                 if profiler is not None:
                     profiler.enable()
                 t0 = clock()
-                tree = proposer.propose(history)
+                tree = proposer.propose(history, _replay_limits(proposer, history))
                 t1 = clock()
                 if profiler is not None:
                     profiler.disable()
@@ -316,7 +334,7 @@ def _setup(method: str, vocab: int, budget: int, requests: int, seed: int, promp
         raise ValueError("requests must be at least 1")
     target = SyntheticTarget(vocab, seed=seed)
     prompts = [target.sample_prompt(prompt_tokens, seed=seed * 1_000_003 + r) for r in range(requests + 1)]
-    if method == "recap":
+    if method in ("recap", "recap-paper"):
         options = {"budget": budget, **options}
     return target, prompts, lambda: make_proposer(method, **options)
 
@@ -355,7 +373,8 @@ def run_overhead(method: str = "recap", *, vocab: int = 49152, budget: int = 63,
         for i, (a, b) in enumerate(zip(plain.trees, instrumented.trees, strict=True)):
             if not (np.array_equal(a.tokens, b.tokens) and np.array_equal(a.parents, b.parents)):
                 raise RuntimeError(f"instrumented pass diverged from RecapProposer.propose at iteration {i}")
-        for total, parts in (("propose", ("fusion", "suffix", "search")), ("observe", ("refresh", "automaton"))):
+        for total, parts in (("propose", ("fusion", "suffix", "search", "candidates", "choice")),
+                             ("observe", ("refresh", "automaton"))):
             scale = np.asarray(plain.times[total]) / np.asarray(instrumented.times[total])
             for part in parts:
                 if part in instrumented.times:
@@ -385,6 +404,7 @@ def profile_overhead(method: str = "recap", *, vocab: int = 49152, budget: int =
 
 
 _LABELS = {"propose": "propose", "fusion": "  lookup+fusion", "suffix": "  suffix", "search": "  search",
+           "candidates": "  candidates (search + continuations)", "choice": "  size choice",
            "packing": "packing", "observe": "observe", "refresh": "  refresh", "automaton": "  automaton"}
 
 

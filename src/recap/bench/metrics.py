@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
+from recap.bench.calibration import method_calibration
+
 REFERENCE = "ar"
 
 
@@ -97,7 +99,8 @@ def stage_costs(rows: Sequence[dict]) -> dict[str, float]:
 
 def summarise_method(rows: Sequence[dict], method: str, topics: Sequence[str]) -> dict:
     """Every metric of one method: S, tau and mismatches overall and per topic, the ratio
-    distribution, latency percentiles and stage costs."""
+    distribution, latency percentiles and stage costs; for a calibrating method also its
+    reliability table and mean chosen draft size (`recap.bench.calibration`)."""
     mine = [row for row in rows if row["method"] == method]
     pairs = paired_ratios(rows, method)
     ratios = [ratio for _, ratio in pairs]
@@ -123,6 +126,7 @@ def summarise_method(rows: Sequence[dict], method: str, topics: Sequence[str]) -
         "latency_s": latency(mine),
         "stages": stage_costs(mine),
         "topics": per_topic,
+        **method_calibration(mine),
     }
 
 

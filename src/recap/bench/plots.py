@@ -1,5 +1,6 @@
 """PNG plots of a bench run, drawn with matplotlib's Agg canvas (no display, no pyplot
-global state): speedup per topic per method, per-unit speedup distribution, latency CDF."""
+global state): speedup per topic per method, per-unit speedup distribution, latency CDF and,
+for calibrating methods (RECAP), the reliability diagram of their acceptance estimates."""
 
 from __future__ import annotations
 
@@ -86,10 +87,45 @@ def latency_cdf(path: Path, rows: Sequence[dict], summary: dict) -> None:
     figure.savefig(path)
 
 
+def reliability_diagram(path: Path, summary: dict) -> bool:
+    """Observed acceptance against mean predicted probability per bin, one line per
+    calibrating method (marker area ~ labelled nodes), the diagonal for reference. False
+    (nothing drawn) when no method recorded labels."""
+    methods = {m: data["reliability"] for m, data in summary["methods"].items()
+               if data.get("reliability") and data["reliability"]["bins"]}
+    if not methods:
+        return False
+    figure = _figure(5.2, 4.6)
+    axes = figure.add_subplot()
+    axes.plot([0, 1], [0, 1], color="black", linewidth=0.8, linestyle="--", label="perfect calibration")
+    colours = _colours(summary)
+    for method, table in methods.items():
+        bins = table["bins"]
+        largest = max(b["count"] for b in bins)
+        ece = table["ece"]
+        label = f"{method} (ECE {ece:.3f})" if ece is not None else method
+        axes.plot([b["predicted"] for b in bins], [b["observed"] for b in bins], color=colours[method],
+                  linewidth=1.2, label=label)
+        axes.scatter([b["predicted"] for b in bins], [b["observed"] for b in bins], color=colours[method],
+                     s=[12 + 88 * b["count"] / largest for b in bins], zorder=3)
+    axes.set_xlim(0, 1)
+    axes.set_ylim(0, 1.02)
+    axes.set_xlabel("predicted acceptance probability (bin mean)")
+    axes.set_ylabel("observed acceptance rate")
+    axes.set_title("Reliability of acceptance estimates")
+    axes.legend(fontsize=8, loc="upper left")
+    figure.savefig(path)
+    return True
+
+
 def write_plots(out: Path, rows: Sequence[dict], summary: dict) -> list[Path]:
     out = Path(out)
     paths = [out / "speedup_by_topic.png", out / "speedup_distribution.png", out / "latency_cdf.png"]
     speedup_by_topic(paths[0], summary)
     speedup_distribution(paths[1], rows, summary)
     latency_cdf(paths[2], rows, summary)
+    if reliability_diagram(out / "reliability.png", summary):
+        paths.append(out / "reliability.png")
+    else:
+        (out / "reliability.png").unlink(missing_ok=True)  # a stale one of an earlier report
     return paths

@@ -2,9 +2,11 @@
 
 summary.json: ``{"schema", "run", "units", "topics", "mismatches", "methods": {NAME: {"S",
 "tau", "mismatches", "topics": {TOPIC: {"S", "tau", ...}}, "ratio", "latency_s", "stages",
-...}}}``. report.md has the paper's table shapes (methods x topics, S and tau), the
-per-unit ratio distribution, latency, stage costs, output identity and the run's settings,
-and embeds the plots. Mismatches against AR are shown first, never folded away.
+...}}}``; a calibrating method (RECAP) also has ``"reliability": {"bins": [{"bin", "count",
+"predicted", "observed"}], "ece", "labels", "units"}`` and ``"chosen_nodes_mean"``. report.md
+has the paper's table shapes (methods x topics, S and tau), the per-unit ratio distribution,
+latency, stage costs, the calibration of acceptance estimates, output identity and the run's
+settings, and embeds the plots. Mismatches against AR are shown first, never folded away.
 """
 
 from __future__ import annotations
@@ -92,6 +94,33 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in rows)]
 
 
+def _calibration_section(methods: dict) -> list[str]:
+    """Reliability of the acceptance estimates of calibrating methods (RECAP and its
+    ablations): one line per method, then one table per method; nothing for a run without."""
+    calibrating = [label for label, m in methods.items() if m.get("reliability") or m.get("chosen_nodes_mean")]
+    if not calibrating:
+        return []
+    lines = ["## Calibration of acceptance estimates", "",
+             "Each verification labels every drafted node whose parent was accepted: accepted or not. Per bin of the "
+             "probability the method predicted for such nodes: how many there were, their mean prediction and the "
+             "share accepted, summed over all units. ECE (expected calibration error) = count-weighted mean "
+             "|predicted - observed|.", "",
+             *_table(["method", "labelled nodes", "ECE", "chosen draft nodes/step"],
+                     [[label, str(methods[label].get("reliability", {}).get("labels", 0)),
+                       _f(methods[label].get("reliability", {}).get("ece"), "{:.3f}"),
+                       _f(methods[label].get("chosen_nodes_mean"), "{:.1f}")] for label in calibrating]), ""]
+    for label in calibrating:
+        table = methods[label].get("reliability")
+        if not table or not table["bins"]:
+            continue
+        lines += [f"### {label}: reliability (ECE {_f(table['ece'], '{:.3f}')}, {table['labels']} labelled nodes)",
+                  "",
+                  *_table(["bin", "count", "mean predicted", "observed acceptance"],
+                          [[b["bin"], str(b["count"]), _f(b["predicted"], "{:.3f}"), _f(b["observed"], "{:.3f}")]
+                           for b in table["bins"]]), ""]
+    return lines
+
+
 def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
     run = summary["run"]
     methods = summary["methods"]
@@ -153,6 +182,7 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
                                   "observe_ms_per_iteration")),
                         _f(methods[label]["stages"]["draft_nodes_per_iteration"], "{:.1f}")] for label in methods]),
               ""]
+    lines += _calibration_section(methods)
     lines += ["## Output identity against AR", "",
               *_table(["method", "units", "identical", "mismatches"],
                       [[label, str(m["units"]), str(m["units"] - m["mismatches"]),
@@ -165,7 +195,8 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
     machine = run.get("machine") or {}
     versions = run.get("versions") or {}
     lines += ["## How this was measured", "",
-              f"- model `{run.get('model')}`, dtype {run.get('dtype')}, torch threads pinned to "
+              f"- model `{run.get('model')}`, dtype {run.get('dtype')}, device {run.get('device', 'cpu')}, torch "
+              "threads pinned to "
               f"{run.get('threads_pinned')}, greedy, at most {run.get('max_new_tokens')} new tokens per unit, "
               f"seed {run.get('seed')}",
               f"- machine: {machine.get('cpu')}, {machine.get('cores_available')} cores available; "

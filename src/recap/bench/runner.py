@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from recap.bench import calibration
 from recap.bench import data as bench_data
 from recap.bench.environment import machine, versions
 from recap.bench.metrics import REFERENCE, first_difference, unit_tau
@@ -32,7 +33,7 @@ from recap.errors import InputError
 from recap.images import load_image
 from recap.target import TargetModel
 
-DEFAULT_METHODS = ("recap", "pld", "token-recycling")
+DEFAULT_METHODS = ("recap", "recap-paper", "pld", "sam")
 """Compared with AR by default, those of them that are registered."""
 
 ROTATION = ("cyclic: the method list [ar, methods...] starts at offset sha256(f'{seed}:{unit}') mod its length, "
@@ -52,12 +53,17 @@ class BenchConfig:
     limit: int | None = None
     """Inputs per topic (a multi-turn input is several units)."""
     dtype: str = "float32"
+    device: str = "cpu"
+    """Torch device of the target (``cuda``...); recorded in the settings when not the CPU."""
     threads: int = 1
     max_new_tokens: int = 200
     seed: int = 0
     out: Path = Path("bench-out")
     warmup: bool = True
     system_prompt: str = bench_data.MMSPEC_SYSTEM_PROMPT
+    cost_profile: str | None = None
+    """Verify-cost profile for cost-aware methods: ``auto`` (or None: the target's own,
+    cached or measured once), ``flat`` or a profile file (`recap calibrate --out`)."""
 
 
 @dataclass
@@ -135,13 +141,19 @@ class Bench:
         return {"model": self.config.model, "dtype": self.config.dtype, "threads": self.config.threads,
                 "max_new_tokens": self.config.max_new_tokens, "seed": self.config.seed, "methods": self.labels,
                 "data": str(self.data_path), "system_prompt": self.config.system_prompt,
-                "cpu": machine()["cpu"], "warmup": self.config.warmup}
+                "cpu": machine()["cpu"], "warmup": self.config.warmup, "cost_profile": self._cost_spec(),
+                **({"device": self.config.device} if self.config.device != "cpu" else {})}
+
+    def _cost_spec(self) -> str | None:
+        """The --cost-profile setting; None for auto (so runs recorded before it resume)."""
+        spec = self.config.cost_profile
+        return None if spec is None or spec == "auto" else str(spec)
 
     def _load_target(self) -> TargetModel:
         if self.target is None:
             from recap.models import load
 
-            self.target = load(self.config.model, dtype=self.config.dtype)
+            self.target = load(self.config.model, dtype=self.config.dtype, device=self.config.device)
         return self.target
 
     # ----------------------------------------------------------------- run
@@ -153,6 +165,8 @@ class Bench:
             shutil.rmtree(self.out / "streams", ignore_errors=True)
         torch.set_num_threads(self.config.threads)
         target = self._load_target()
+        if self._cost_spec() is not None:
+            target.use_cost_profile(self._cost_spec())
         self.images = bool(target.accepts_images)
         if self.images:
             bench_data.check_images(self.items)
@@ -261,16 +275,20 @@ class Bench:
         inputs, has_image = self._prepare(unit, answers)
         order = rotation(self.labels, self.config.seed, unit.key)
         results: dict[str, GenerationResult] = {}
+        extra: dict[str, dict] = {}
         for label in order:
             advance(f"{unit.topic} {unit.key} [bold]{label}[/]", 0)
             gc.collect()  # untimed: keep collector pauses out of the timed decode
+            before = calibration.snapshot(streams[label])
             results[label] = decode(self.target, streams[label], inputs, max_new_tokens=self.config.max_new_tokens)
+            extra[label] = calibration.unit_fields(streams[label], before)  # untimed
             advance(f"{unit.topic} {unit.key} [bold]{label}[/]")
         reference = results[REFERENCE].tokens
         new_rows = []
         for label in self.labels:
             stream = status[label] if is_stateful(streams[label]) else "none"
-            new_rows.append(_row(unit, label, order.index(label), results[label], reference, has_image, stream))
+            new_rows.append({**_row(unit, label, order.index(label), results[label], reference, has_image, stream),
+                             **extra[label]})
         new_rows[0]["text"] = self.target.tokenizer.decode(reference, skip_special_tokens=True).strip()
         return new_rows
 

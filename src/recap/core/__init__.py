@@ -1,10 +1,11 @@
 """Proposer-side building blocks: numpy and pure Python only, never torch."""
 
 from recap.core.adjacency import AdjacencyMatrix
+from recap.core.cost import CostProfile, ProfileError
 from recap.core.static_tree import StaticTreeTemplate
-from recap.core.steps import PromptRows, VerifiedTree
+from recap.core.steps import PromptRows, StepLimits, VerifiedTree
 from recap.core.tree import ROOT, DraftTree, TreeBuilder
 from recap.core.trie import NGramTrie
 
-__all__ = ["ROOT", "AdjacencyMatrix", "DraftTree", "NGramTrie", "PromptRows", "StaticTreeTemplate", "TreeBuilder",
-           "VerifiedTree"]
+__all__ = ["ROOT", "AdjacencyMatrix", "CostProfile", "DraftTree", "NGramTrie", "ProfileError", "PromptRows",
+           "StaticTreeTemplate", "StepLimits", "TreeBuilder", "VerifiedTree"]

@@ -403,6 +403,7 @@ def _build_tree(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_
     size = 0
     # the builder: token, parent, depth, first child, next sibling
     nodes = np.empty((cap, 5), np.int64)
+    node_q = np.empty((cap, 1), np.float64)  # the fused probability q of each node's token
     n_nodes = 0
     root_first_child = -1
 
@@ -460,7 +461,9 @@ def _build_tree(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_
         if node < 0:
             if n_nodes == nodes.shape[0]:
                 nodes = _grow(nodes)
+                node_q = _grow(node_q)
             node = n_nodes
+            node_q[node, 0] = list_p[lst, index]
             nodes[node, 0] = token
             nodes[node, 1] = parent
             nodes[node, 2] = 1 if parent < 0 else nodes[parent, 2] + 1
@@ -532,7 +535,7 @@ def _build_tree(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_
                 else:
                     break
             heap[i] = ne
-    return nodes[:n_nodes, 0].copy(), nodes[:n_nodes, 1].copy(), nodes[:n_nodes, 2].copy()
+    return nodes[:n_nodes, 0].copy(), nodes[:n_nodes, 1].copy(), nodes[:n_nodes, 2].copy(), node_q[:n_nodes, 0].copy()
 
 
 # ============================================================================ the Python API
@@ -645,8 +648,9 @@ class FastMemory:
     # -------------------------------------------------------------- drafting
     def build_tree(self, context: Sequence[int], budget: int, max_depth: int, width: int, top_k: int,
                    etas: np.ndarray, priors: np.ndarray, mode: int | str = 0,
-                   excluded: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """RecapProposer.build_tree: (tokens, parents, depths), int64, parents before children.
+                   excluded: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """RecapProposer.build_tree: (tokens, parents, depths, q), parents before children;
+        ``q[i]`` is the fused probability of node i's token under its parent's context.
 
         ``etas[d]`` is the depth prior of depth d (``etas[0]`` unused; at least ``max_depth + 1``
         entries); ``priors`` the three rank priors; ``mode`` a `FUSION_CODES` code or name;

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from recap.core.cost import CostProfile
 from recap.core.tree import DraftTree
 
 
@@ -43,9 +44,28 @@ class VerifiedTree:
     accepted: list[int]
     image_attention: float | None = None
     """As `PromptRows.image_attention`, for packed query 0 (the root) of this verification."""
+    kept: int | None = None
+    """How many committed tokens the output kept, when EOS or the token limit cut the step
+    short (None: all). What proposers learn from the text stops there."""
 
     @property
     def committed(self) -> list[int]:
-        """Accepted draft tokens plus the bonus token (argmax at the last accepted node)."""
+        """Accepted draft tokens plus the bonus token (argmax at the last accepted node),
+        cut to ``kept``."""
         last = self.accepted[-1] + 1 if self.accepted else 0
-        return [int(self.tree.tokens[i]) for i in self.accepted] + [int(self.argmax[last])]
+        tokens = [int(self.tree.tokens[i]) for i in self.accepted] + [int(self.argmax[last])]
+        return tokens if self.kept is None else tokens[: self.kept]
+
+
+@dataclass(frozen=True)
+class StepLimits:
+    """What the caller tells a proposer about the coming verification. Cost-aware proposers
+    size their tree with it; the baselines keep their authors' own sizing rules."""
+
+    cost: CostProfile | None = None
+    """Predicted verify time by packed size (root included) and context length; None: the
+    proposer's fixed budget applies."""
+    context_len: int = 0
+    """Tokens already in the KV cache before this step's root."""
+    max_nodes: int | None = None
+    """Hard cap on draft nodes (root excluded), e.g. what the context window still holds."""

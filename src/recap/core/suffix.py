@@ -71,6 +71,23 @@ class SuffixAutomaton:
             return 0, -1
         return self._length[state], self._first_end[state]
 
+    def follow(self, state: int, length: int, token: int) -> tuple[int, int]:
+        """Matching *another* text against this one: from (state, length) = the longest
+        suffix of that text seen here, read ``token``; returns the new (state, length)."""
+        nxt, link = self._next, self._link
+        while state > 0 and token not in nxt[state]:
+            state = link[state]
+            length = self._length[state]
+        target = nxt[state].get(token)
+        if target is None:
+            return 0, 0
+        return target, length + 1
+
+    def after(self, state: int, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` tokens that follow the first occurrence of ``state``'s strings."""
+        end = self._first_end[state]
+        return self.tokens[end + 1 : end + 1 + max_tokens] if state > 0 else []
+
     def continuation(self, max_tokens: int, min_match: int = 1) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the earlier occurrence of the longest
         suffix match (of at least ``min_match`` tokens)."""

@@ -194,11 +194,11 @@ def make_example(seed: int) -> Example:
         return Example(seed, scene, "caption", str(rng.choice(CAPTION_QUESTIONS)), caption(scene, rng),
                        _caption_facts(scene))
     if scene.kind == "shapes":
-        task, question, answer, facts = _shape_question(scene, rng)
+        task, question, answer, facts = shape_question(scene, rng)
     elif scene.kind == "bar chart":
-        task, question, answer, facts = _bar_question(scene, rng)
+        task, question, answer, facts = bar_question(scene, rng)
     else:
-        task, question, answer, facts = _line_question(scene, rng)
+        task, question, answer, facts = line_question(scene, rng)
     return Example(seed, scene, task, question, answer, facts)
 
 
@@ -212,7 +212,7 @@ def _caption_facts(scene: Scene) -> dict[str, str]:
     return {"chart values": " ".join(str(v) for v in scene.points)}
 
 
-def _shape_question(scene: Scene, rng: np.random.Generator) -> tuple[str, str, str, dict[str, str]]:
+def shape_question(scene: Scene, rng: np.random.Generator) -> tuple[str, str, str, dict[str, str]]:
     obj = scene.objects[int(rng.integers(len(scene.objects)))]
     n = len(scene.objects)
     task = str(rng.choice(["count", "background", "colour", "shape", "position"]))
@@ -231,7 +231,7 @@ def _shape_question(scene: Scene, rng: np.random.Generator) -> tuple[str, str, s
     return task, f"Where is the {obj.colour} {obj.shape}?", f"In the {obj.position}.", {"position": obj.position}
 
 
-def _bar_question(scene: Scene, rng: np.random.Generator) -> tuple[str, str, str, dict[str, str]]:
+def bar_question(scene: Scene, rng: np.random.Generator) -> tuple[str, str, str, dict[str, str]]:
     colour, value = scene.bars[int(rng.integers(len(scene.bars)))]
     if rng.random() < 0.7:
         return "chart values", f"What is the value of the {colour} bar?", f"The {colour} bar is {value}.", \
@@ -243,7 +243,7 @@ def _bar_question(scene: Scene, rng: np.random.Generator) -> tuple[str, str, str
         {"chart values": str(top)}
 
 
-def _line_question(scene: Scene, rng: np.random.Generator) -> tuple[str, str, str, dict[str, str]]:
+def line_question(scene: Scene, rng: np.random.Generator) -> tuple[str, str, str, dict[str, str]]:
     ordinals = ("first", "second", "third", "fourth", "fifth")
     i = int(rng.integers(len(scene.points)))
     if rng.random() < 0.7:

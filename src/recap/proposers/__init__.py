@@ -8,7 +8,7 @@ from recap.errors import InputError
 from recap.proposers.base import AutoregressiveProposer, BaseProposer, Proposer
 from recap.proposers.lookahead import LookaheadProposer
 from recap.proposers.pld import PromptLookupProposer
-from recap.proposers.recap import ABLATIONS, RecapConfig, RecapProposer
+from recap.proposers.recap import ABLATIONS, PAPER, RecapConfig, RecapPaperProposer, RecapProposer
 from recap.proposers.sam import SamProposer
 from recap.proposers.sam_viskip import SamViSkipProposer
 from recap.proposers.testing import DecoyDrafter, RandomDrafter
@@ -18,6 +18,7 @@ from recap.proposers.tree_recycling import TreeRecyclingProposer
 PROPOSERS: dict[str, Callable[..., Proposer]] = {
     "ar": AutoregressiveProposer,
     "recap": RecapProposer,
+    "recap-paper": RecapPaperProposer,
     "pld": PromptLookupProposer,
     "lookahead": LookaheadProposer,
     "sam": SamProposer,
@@ -39,7 +40,7 @@ def make_proposer(name: str, **options) -> Proposer:
     return factory(**options)
 
 
-__all__ = ["ABLATIONS", "PROPOSERS", "AutoregressiveProposer", "BaseProposer", "DecoyDrafter", "LookaheadProposer",
-           "PromptLookupProposer",
-           "Proposer", "RandomDrafter", "RecapConfig", "RecapProposer", "SamProposer", "SamViSkipProposer",
-           "TokenRecyclingProposer", "TreeRecyclingProposer", "make_proposer"]
+__all__ = ["ABLATIONS", "PAPER", "PROPOSERS", "AutoregressiveProposer", "BaseProposer", "DecoyDrafter",
+           "LookaheadProposer", "PromptLookupProposer", "Proposer", "RandomDrafter", "RecapConfig",
+           "RecapPaperProposer", "RecapProposer", "SamProposer", "SamViSkipProposer", "TokenRecyclingProposer",
+           "TreeRecyclingProposer", "make_proposer"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from recap.core import DraftTree, PromptRows, VerifiedTree
+from recap.core import DraftTree, PromptRows, StepLimits, VerifiedTree
 
 
 @runtime_checkable
@@ -23,7 +23,7 @@ class Proposer(Protocol):
 
     def begin_request(self, prompt: PromptRows) -> None: ...
 
-    def propose(self, history: Sequence[int]) -> DraftTree: ...
+    def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree: ...
 
     def observe(self, step: VerifiedTree) -> None: ...
 
@@ -43,7 +43,7 @@ class BaseProposer:
     def begin_request(self, prompt: PromptRows) -> None:
         self.prompt = prompt
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree:
         return DraftTree.empty()
 
     def observe(self, step: VerifiedTree) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from recap.core import DraftTree, PromptRows, VerifiedTree
+from recap.core import DraftTree, PromptRows, StepLimits, VerifiedTree
 from recap.core.trie import NGramTrie
 from recap.proposers.base import BaseProposer
 
@@ -36,7 +36,7 @@ class LookaheadProposer(BaseProposer):
         self.trie.begin_request(prompt.ids.tolist(), prompt.excluded_tokens)
         self._synced = len(prompt.ids)
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree:
         # Tokens committed without an observe (the prefill's first token) enter the trie here.
         if len(history) > self._synced:
             self.trie.extend_output(history[self._synced :])

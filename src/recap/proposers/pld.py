@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from recap.core import DraftTree, PromptRows
+from recap.core import DraftTree, PromptRows, StepLimits
 from recap.proposers.base import BaseProposer
 
 
@@ -27,7 +27,7 @@ class PromptLookupProposer(BaseProposer):
         self._index = [{} for _ in range(self.max_ngram + 1)]
         self._indexed = 0
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree:
         # Index every n-gram that ends before the last token (so it has a continuation).
         for end in range(self._indexed, len(history) - 1):
             for n in range(1, min(self.max_ngram, end + 1) + 1):

@@ -1,10 +1,24 @@
 """RECAP: recycle the target's own Top-K predictions as drafts.
 
-propose: best-first tree over fused memory rows + a suffix-automaton continuation.
+propose: best-first tree over fused memory rows + suffix-automaton continuations.
 observe: every evaluated node's row refreshes U, C and G; committed tokens extend the automaton.
 
-One proposer object is one *stream*: U (token-keyed memory) persists across its requests,
-C/G and the automaton are per request. ``reset_stream()`` starts a new stream.
+Two configurations share this code:
+
+- ``recap-paper`` (`PAPER`): the paper's exact method: 63 best-first candidates plus a
+  4-token continuation of the request's suffix match, the same tree every step.
+- ``recap`` (the default, cost-aware): every candidate node gets an estimate of the
+  probability that it is accepted once its parent is (`recap.core.calibration`, learned
+  online within the stream). Candidates are the recycled tree, the request's suffix
+  continuation (growing with the match length, up to 40 tokens) and a continuation from the
+  stream's earlier outputs (`recap.core.store`), merged into one tree. Ordered by the
+  probability that their whole path is accepted, every prefix is a valid tree; the step
+  drafts the prefix that maximises (1 + expected accepted tokens) / predicted verify time
+  (`recap.core.chooser`, with the caller's `StepLimits.cost`), N = 0 included.
+
+One proposer object is one *stream*: U (token-keyed memory), the calibrator and the output
+store persist across its requests; C/G and the automaton are per request.
+``reset_stream()`` starts a new stream.
 """
 
 from __future__ import annotations
@@ -16,10 +30,13 @@ from os import PathLike
 
 import numpy as np
 
-from recap.core import ROOT, DraftTree, PromptRows, TreeBuilder, VerifiedTree
+from recap.core import ROOT, DraftTree, PromptRows, StepLimits, TreeBuilder, VerifiedTree
+from recap.core.calibration import REQUEST, STORE, AcceptanceCalibrator, continuation_cells, recycled_cells
+from recap.core.chooser import Candidates, ChosenTree, choose
 from recap.core.fast import FastMemory, context_of
 from recap.core.fusion import FUSION_MODES, PRIORS, fuse
 from recap.core.memory import PredictionMemory
+from recap.core.store import OutputStore
 from recap.core.suffix import SuffixAutomaton
 from recap.errors import InputError
 from recap.proposers.base import BaseProposer
@@ -45,8 +62,21 @@ class RecapConfig:
     persistent_context: bool = False
     """Keep C/G across requests too (an ablation: their rows then alias across images)."""
     engine: str = "numba"
-    """``numba``: memory, fusion and tree search compiled (`recap.core.fast`); ``python``: the
-    readable reference implementation (same trees, differentially tested)."""
+    """``numba``: memory, fusion and tree search compiled (`recap.core.fast`), what users run;
+    ``python``: the readable reference kept as the oracle of the tests (same trees)."""
+    cost_aware: bool = True
+    """Choose each step's tree size from the verify-cost profile; False: always draft
+    ``budget`` candidates (plus the continuation), as the paper does."""
+    calibration: bool = True
+    """Learn acceptance probabilities online; False: keep the conservative priors."""
+    long_continuation: bool = True
+    """Continuations of clamp(4 x match length, 2, ``max_continuation``) tokens; False:
+    ``suffix_tokens``."""
+    max_continuation: int = 40
+    stream_store: bool = True
+    """Also draft continuations from the stream's earlier outputs."""
+    store_tokens: int = 16384
+    """Bound of the output store (tokens, per stream)."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -56,14 +86,39 @@ class RecapConfig:
         for name in ("top_k", "width", "max_depth"):
             if getattr(self, name) < 1:
                 raise InputError(f"{name} must be at least 1")
-        if self.budget < 0 or self.suffix_tokens < 0:
-            raise InputError("budget and suffix_tokens cannot be negative")
+        if self.budget < 0 or self.suffix_tokens < 0 or self.max_continuation < 0:
+            raise InputError("budget, suffix_tokens and max_continuation cannot be negative")
+        if self.store_tokens < 2:
+            raise InputError("store_tokens must be at least 2")
+
+    @property
+    def scored(self) -> bool:
+        """Whether drafts carry acceptance estimates (anything beyond the paper's tree)."""
+        return self.cost_aware or self.long_continuation or self.stream_store
+
+    def continuation_length(self, match_length: int) -> int:
+        if not self.long_continuation:
+            return self.suffix_tokens if self.suffix_tokens else 0
+        return max(2, min(self.max_continuation, 4 * match_length))
 
     def depth_prior(self, depth: int) -> float:
         return self.depth_priors[depth - 1] if depth <= len(self.depth_priors) else self.tail_depth_prior
 
 
+REQUEST_PSEUDO = 4.0
+"""Pseudo-count of the request-level correction: within a request every estimate is scaled by
+(accepted + 4) / (predicted + 4), summed over the request's labelled nodes so far, so a
+request whose drafts keep failing (or succeeding) shifts its own estimates quickly while
+the stream's calibration cells move slowly for all requests."""
+
+PAPER = RecapConfig(cost_aware=False, calibration=False, long_continuation=False, stream_store=False)
+"""The paper's exact configuration (``recap-paper``): fixed 63 candidates, 4-token suffix."""
+
 ABLATIONS: dict[str, dict] = {
+    "no-cost": {"cost_aware": False},
+    "no-calibration": {"calibration": False},
+    "no-long": {"long_continuation": False},
+    "no-store": {"stream_store": False},
     "no-confidence": {"fusion": "no-confidence"},
     "no-prior": {"fusion": "no-prior"},
     "uniform": {"fusion": "uniform"},
@@ -74,16 +129,18 @@ ABLATIONS: dict[str, dict] = {
     "no-suffix": {"suffix_tokens": 0},
     "persistent-CG": {"persistent_context": True},
 }
-"""Named ablation switches (one ingredient changed each)."""
+"""Named ablation switches (one ingredient changed each). The first four are the cost-aware
+method's own ingredients; on ``recap-paper`` they change nothing but ``no-cost``'s flag."""
 
 
 class RecapProposer(BaseProposer):
     name = "recap"
     stream_state = True
+    default_config = RecapConfig()
 
     def __init__(self, config: RecapConfig | None = None, *, ablation: str | None = None,
                  memory_file: str | PathLike | None = None, **overrides):
-        config = config or RecapConfig()
+        config = config or self.default_config
         if ablation:
             if ablation not in ABLATIONS:
                 raise InputError(f"unknown ablation {ablation!r}; choose one of: {', '.join(ABLATIONS)}")
@@ -101,6 +158,17 @@ class RecapProposer(BaseProposer):
         self._etas = [0.0] + [self.config.depth_prior(d) for d in range(1, self.config.max_depth + 1)]
         self._eta_array = np.array(self._etas, dtype=np.float64)
         self._prior_array = np.array(self.config.priors, dtype=np.float64)
+        self.wants_cost = self.config.cost_aware
+        self.calibrator = AcceptanceCalibrator(enabled=self.config.calibration)
+        self.store = OutputStore(self.config.store_tokens)
+        self._store_match = self.store.matcher()
+        self._generated: list[int] = []
+        self._pending: ChosenTree | None = None
+        self._request_expected = 0.0
+        self._request_accepted = 0
+        self._factor = 1.0
+        self.chosen_sizes: list[int] = []
+        """Draft nodes chosen at each step of the stream (cost-aware configurations)."""
         if memory_file is not None:
             self.load_memory(memory_file)
 
@@ -109,6 +177,9 @@ class RecapProposer(BaseProposer):
         """Forget everything, U included: a new stream starts."""
         if self.memory is not None:
             self.memory.reset_stream()
+        self.calibrator.reset()
+        self.store.clear()
+        self.chosen_sizes = []
 
     def begin_request(self, prompt: PromptRows) -> None:
         self.prompt = prompt
@@ -132,11 +203,27 @@ class RecapProposer(BaseProposer):
             if self._excluded:
                 self._excluded_mask = np.zeros(prompt.vocab_size, dtype=bool)
                 self._excluded_mask[[t for t in self._excluded if 0 <= t < prompt.vocab_size]] = True
-        self.automaton = SuffixAutomaton(prompt.ids.tolist()) if self.config.suffix_tokens else SuffixAutomaton()
+        self.automaton = SuffixAutomaton(prompt.ids.tolist()) if self._continues else SuffixAutomaton()
+        self._generated = []
+        self._pending = None
+        self._request_expected = 0.0
+        self._request_accepted = 0
+        self._factor = 1.0
+        if self.config.stream_store:
+            self._store_match = self.store.matcher()
+            self._store_match.sync(prompt.ids.tolist())
+
+    @property
+    def _continues(self) -> bool:
+        """Whether the request's suffix automaton is kept (a continuation can be drafted)."""
+        return bool(self.config.suffix_tokens) or self.config.long_continuation
 
     def end_request(self) -> None:
         if not self.config.persistent_context:
             self.memory.reset_request()
+        if self.config.stream_store:
+            self.store.add(self._generated)
+        self._pending = None
 
     def memory_counts(self) -> tuple[int, int, int]:
         """Rows held by (U, C, G)."""
@@ -147,28 +234,89 @@ class RecapProposer(BaseProposer):
         return len(self.memory.unigram), len(self.memory.bigram), len(self.memory.trigram)
 
     # ------------------------------------------------------------------ drafting
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree:
         self.sync_automaton(history)
         self._context = list(history[-3:])
-        tokens, parents, depths = self.search(self._context)
-        self.add_suffix(tokens, parents, depths)
-        return DraftTree._trusted(tokens, parents, depths)
+        if not self.config.scored:  # the paper's tree
+            tokens, parents, depths, _ = self.search(self._context)
+            self.add_suffix(tokens, parents, depths)
+            return DraftTree._trusted(tokens, parents, depths)
+        return self.select(self.candidates(history), limits)
+
+    def select(self, candidates: Candidates, limits: StepLimits | None) -> DraftTree:
+        """The step's tree: the cost-optimal prefix of the candidates (`recap.core.chooser`);
+        without a cost profile (or with ``cost_aware`` off), the best ``budget`` of them."""
+        cost = limits.cost if limits is not None and self.config.cost_aware else None
+        context_len = limits.context_len if limits is not None else 0
+        cap = self.config.budget if cost is None else None
+        if limits is not None and limits.max_nodes is not None:
+            cap = limits.max_nodes if cap is None else min(cap, limits.max_nodes)
+        factor = (self._request_accepted + REQUEST_PSEUDO) / (self._request_expected + REQUEST_PSEUDO) \
+            if self.config.calibration else 1.0
+        if factor != 1.0:
+            candidates.scale(factor)
+        self._factor = factor
+        tree, chosen = choose(candidates, cost, context_len, cap)
+        self._pending = chosen
+        self.chosen_sizes.append(len(tree))
+        return tree
+
+    def candidates(self, history: Sequence[int]) -> Candidates:
+        """Every node this step could draft, with its acceptance estimate: the recycled
+        tree, then the request's and the store's continuations merged into it."""
+        config = self.config
+        calibrator = self.calibrator
+        if isinstance(self.memory, FastMemory):
+            tokens, parents, depths, q = self.memory.build_tree(
+                context_of(self._context), config.budget, config.max_depth, config.width, config.top_k,
+                self._eta_array, self._prior_array, config.fusion, self._excluded_mask)
+        else:
+            tokens, parents, depths, q = (np.asarray(a) for a in self.search(self._context))
+            q = q.astype(np.float64)
+        candidates = Candidates(tokens, parents, depths, calibrator.recycled(q, depths), recycled_cells(q, depths))
+        if self._continues:
+            length, end = self.automaton.longest_match()
+            if length:
+                chain = self._clean(self.automaton.tokens[end + 1 : end + 1 + config.continuation_length(length)])
+                cells = continuation_cells(REQUEST, length, np.arange(1, len(chain) + 1))
+                candidates.add_chain(chain, calibrator.estimate(cells), cells)
+        if config.stream_store and len(self.store):
+            self._store_match.sync(history)
+            length, chain = self._store_match.continuation(config.max_continuation)
+            if length:
+                chain = self._clean(chain[: config.continuation_length(length)])
+                cells = continuation_cells(STORE, length, np.arange(1, len(chain) + 1))
+                candidates.add_chain(chain, calibrator.estimate(cells), cells)
+        return candidates
+
+    def _clean(self, chain: Sequence[int]) -> list[int]:
+        """The chain up to its first excluded (image) token."""
+        out = []
+        for token in chain:
+            if token in self._excluded:
+                break
+            out.append(int(token))
+        return out
 
     def sync_automaton(self, history: Sequence[int]) -> None:
-        """Feed the automaton the committed tokens it has not seen (the first is the prefill's)."""
-        if self.config.suffix_tokens:
+        """Feed the automaton (and the request's output) the committed tokens not seen yet:
+        the first is the prefill's, the others arrived through ``observe``."""
+        if self._continues:
             self.automaton.sync(history)
+        if self.config.scored:
+            self._generated.extend(history[len(self.prompt.ids) + len(self._generated):])
 
-    def search(self, context: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
-        """Lookup + fusion + best-first search: (tokens, parents, depths) of the tree."""
+    def search(self, context: Sequence[int]) -> tuple[list[int], list[int], list[int], list[float]]:
+        """Lookup + fusion + best-first search: (tokens, parents, depths, q) of the tree, q
+        the fused probability of each node's token under its parent's context."""
         config = self.config
         if isinstance(self.memory, FastMemory):
-            tokens, parents, depths = self.memory.build_tree(
+            tokens, parents, depths, q = self.memory.build_tree(
                 context_of(context), config.budget, config.max_depth, config.width, config.top_k, self._eta_array,
                 self._prior_array, config.fusion, self._excluded_mask)
-            return tokens.tolist(), parents.tolist(), depths.tolist()
-        builder = self.build_tree(context)
-        return builder.tokens, builder.parents, builder.depths
+            return tokens.tolist(), parents.tolist(), depths.tolist(), q.tolist()
+        builder, q = self.build_tree(context)
+        return builder.tokens, builder.parents, builder.depths, q
 
     def add_suffix(self, tokens: list[int], parents: list[int], depths: list[int]) -> None:
         """Insert the automaton's continuation along a root path, reusing existing nodes;
@@ -218,7 +366,7 @@ class RecapProposer(BaseProposer):
         self._fusion_cache[key] = (tokens, probs)
         return tokens, probs
 
-    def build_tree(self, context: Sequence[int]) -> TreeBuilder:
+    def build_tree(self, context: Sequence[int]) -> tuple[TreeBuilder, list[float]]:
         """Best-first expansion by path score prod_j eta_j q(z_j | h_j).
 
         Children of a node are sorted by q, so the heap only ever holds, per expanded node,
@@ -233,6 +381,7 @@ class RecapProposer(BaseProposer):
         fused = self.fused
         builder = TreeBuilder()
         add = builder.add
+        qs: list[float] = []
         heap: list[tuple[float, int, int, tuple, int, float, int, Sequence[int], Sequence[float]]] = []
         push, pop = heapq.heappush, heapq.heappop
         tokens, probs = fused(*root_context)
@@ -243,7 +392,10 @@ class RecapProposer(BaseProposer):
         while heap and len(builder.tokens) < budget:
             negative, _, parent, parent_context, index, parent_score, depth, tokens, probs = pop(heap)
             token = tokens[index]
+            known = len(builder.tokens)
             node = add(parent, token)
+            if len(builder.tokens) > known:  # a repeated token in a row reuses its node: one q per node
+                qs.append(probs[index])
             counter += 1
             if index + 1 < len(tokens):
                 sibling = parent_score * etas[depth] * probs[index + 1]
@@ -256,14 +408,43 @@ class RecapProposer(BaseProposer):
                     score = -negative
                     push(heap, (-score * etas[depth + 1] * child_probs[0], counter, node, child_context, 0, score,
                                 depth + 1, child_tokens, child_probs))
-        return builder
+        return builder, qs
 
     # ------------------------------------------------------------------ learning
     def observe(self, step: VerifiedTree) -> None:
         self.refresh(step)
-        if self.config.suffix_tokens:
-            for token in step.committed:
+        self.absorb(step)
+
+    def absorb(self, step: VerifiedTree) -> None:
+        """What a step teaches besides the rows: the committed text (automaton, output) and
+        the drafted nodes' outcomes (calibration)."""
+        committed = step.committed
+        if self._continues:
+            for token in committed:
                 self.automaton.extend(token)
+        if self.config.scored:
+            self._generated.extend(committed)
+            if self._pending is not None and self._pending.tree is step.tree:
+                self._learn(step)
+            self._pending = None
+
+    def _learn(self, step: VerifiedTree) -> None:
+        """Label every drafted node whose parent was accepted, and calibrate on it."""
+        chosen = self._pending
+        n = len(step.tree)
+        if not n:
+            return
+
+        accepted = np.zeros(n + 1, dtype=bool)
+        accepted[0] = True
+        accepted[np.asarray(step.accepted, dtype=np.int64) + 1] = True
+        labelled = accepted[step.tree.parents + 1]
+        outcome = accepted[1:][labelled]
+        self.calibrator.record(chosen.probs[labelled], outcome)
+        self._request_expected += float(chosen.probs[labelled].sum()) / self._factor
+        self._request_accepted += int(outcome.sum())
+        cells, repeats = chosen.labelled_cells(labelled)
+        self.calibrator.update(cells, np.repeat(outcome, repeats))
 
     def refresh(self, step: VerifiedTree) -> None:
         """Every evaluated node's row into U, C and G under its own path context."""
@@ -289,3 +470,11 @@ class RecapProposer(BaseProposer):
         from recap.core.persistence import read_token_memory
 
         self._pending_memory = read_token_memory(path)
+
+
+class RecapPaperProposer(RecapProposer):
+    """The paper's exact RECAP (`PAPER`): a fixed 63-candidate tree plus a 4-token suffix
+    continuation every step, nothing cost-aware. Kept as the reproduction row of every table."""
+
+    name = "recap-paper"
+    default_config = PAPER

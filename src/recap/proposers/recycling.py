@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from recap.core import DraftTree, PromptRows, VerifiedTree
+from recap.core import DraftTree, PromptRows, StepLimits, VerifiedTree
 from recap.core.adjacency import AdjacencyMatrix
 from recap.core.static_tree import StaticTreeTemplate
 from recap.errors import InputError
@@ -55,7 +55,7 @@ class RecyclingProposer(BaseProposer):
                 self._excluded_mask[[t for t in self._excluded if 0 <= t < prompt.vocab_size]] = True
         self._root = None
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree:
         self._root = int(history[-1])
         return self.template.expand(self._root, self.matrix.next_tokens, self._excluded_mask)
 

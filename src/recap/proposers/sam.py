@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from recap.core import DraftTree, PromptRows
+from recap.core import DraftTree, PromptRows, StepLimits
 from recap.core.suffix import SuffixAutomaton
 from recap.proposers.base import BaseProposer
 
@@ -46,7 +46,7 @@ class SamProposer(BaseProposer):
         """How many continuation tokens a match of ``match_length`` tokens earns."""
         return max(self.min_draft, min(self.max_draft, int(self.alpha * match_length)))
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree:
         automaton = self._automaton
         automaton.sync(history)
         length, end = automaton.longest_match()

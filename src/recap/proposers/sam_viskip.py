@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from recap.core import DraftTree, PromptRows, VerifiedTree
+from recap.core import DraftTree, PromptRows, StepLimits, VerifiedTree
 from recap.proposers.sam import SamProposer
 
 
@@ -45,9 +45,9 @@ class SamViSkipProposer(SamProposer):
     def observe(self, step: VerifiedTree) -> None:
         self._attention = step.image_attention
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree:
         self.steps += 1
         if self._attention is not None and self._attention >= self.threshold:
             self.skipped_steps += 1
             return DraftTree.empty()
-        return super().propose(history)
+        return super().propose(history, limits)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from recap.core import ROOT, DraftTree, PromptRows, TreeBuilder
+from recap.core import ROOT, DraftTree, PromptRows, StepLimits, TreeBuilder
 from recap.proposers.base import BaseProposer
 
 
@@ -67,7 +67,7 @@ class DecoyDrafter(_RandomTreeMixin, BaseProposer):
         # The root is the last history token; the draft continues right after it.
         return ref[len(history) : len(history) + self.max_depth]
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree:
         budget = int(self.rng.integers(1, self.max_nodes + 1))
         truth = self._truth(history)
         depth = int(self.rng.integers(0, len(truth) + 1)) if truth else 0
@@ -103,7 +103,7 @@ class RandomDrafter(_RandomTreeMixin, BaseProposer):
     def begin_request(self, prompt: PromptRows) -> None:
         self.prompt = prompt
 
-    def propose(self, history: Sequence[int]) -> DraftTree:
+    def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree:
         builder = TreeBuilder()
         self._grow_random(builder, list(history[-64:]), int(self.rng.integers(0, self.max_nodes + 1)))
         return builder.build()

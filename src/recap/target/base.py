@@ -8,6 +8,7 @@ to turn a prompt and an image into model inputs and how positions are offset.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ import torch
 from PIL import Image
 from transformers import DynamicCache, GenerationConfig
 
-from recap.core import DraftTree, PromptRows, VerifiedTree
+from recap.core import CostProfile, DraftTree, PromptRows, VerifiedTree
 from recap.errors import InputError
 from recap.target.attention import compact_cache, tree_attention_mask, tree_positions
 from recap.target.image_attention import ImageAttentionCapture
@@ -62,6 +63,9 @@ class TargetModel:
         self._packed = 0
         self._capture: ImageAttentionCapture | None = None
         self._image_token = getattr(model.config, "image_token_id", None) if self.accepts_images else None
+        self.cost_profile: CostProfile | None = None
+        """Verify-cost profile handed to cost-aware proposers; None: resolved on first use."""
+        self._cost_key: dict | None = None
 
     # ----------------------------------------------------------------- family hooks
     def _image_token_ids(self) -> list[int]:
@@ -193,6 +197,30 @@ class TargetModel:
         compact_cache(self.cache, self.past_len, keep, self._packed)
         self.past_len += len(keep)
         self._packed = 0
+
+    def verify_cost(self) -> CostProfile:
+        """What verifying N tokens costs here: the profile set by `use_cost_profile`, else the
+        cached one for this model/dtype/threads/machine (measured once, ~15 s, if missing).
+        An automatic profile is looked up again when its key changes (e.g. the thread count)."""
+        from recap.target.profile import load_or_measure, profile_key
+
+        if self.cost_profile is not None and self._cost_key is None:
+            return self.cost_profile
+        key = profile_key(self)
+        if self.cost_profile is None or key != self._cost_key:
+            self.cost_profile = load_or_measure(self)
+            self._cost_key = key
+        return self.cost_profile
+
+    def use_cost_profile(self, spec: str | os.PathLike | CostProfile | None) -> CostProfile | None:
+        """Set the verify-cost profile: ``auto`` (or None) resolves lazily on first use,
+        ``flat`` simulates free verification, a file or a `CostProfile` is used as given
+        (see `recap.target.profile.resolve_profile`). Returns the profile, None for auto."""
+        from recap.target.profile import resolve_profile
+
+        self._cost_key = None
+        self.cost_profile = None if spec is None or spec == "auto" else resolve_profile(self, spec)
+        return self.cost_profile
 
     def release(self) -> None:
         """Free the request's KV cache."""

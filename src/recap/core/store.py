@@ -1,0 +1,94 @@
+"""The stream's earlier outputs, as a source of long continuations (after SuffixDecoding's
+global tree over earlier outputs).
+
+Requests of one stream often replay what an earlier answer said (captions of similar images,
+a fixed answer format). `OutputStore` keeps the stream's last outputs in a suffix automaton,
+separated so no match spans two outputs, bounded like U: past ``max_tokens`` it keeps only
+the most recent outputs that fill half of it. A `StoreMatch` follows the current request's
+history through the store and offers what followed the longest match.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+from recap.core.suffix import SuffixAutomaton
+
+SEPARATOR = -1
+"""Written after every output: never a token, so no match runs across two outputs."""
+
+
+class OutputStore:
+    def __init__(self, max_tokens: int = 16384):
+        if max_tokens < 2:
+            raise ValueError(f"max_tokens must be at least 2, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.outputs: deque[list[int]] = deque()
+        self.automaton = SuffixAutomaton()
+
+    def __len__(self) -> int:
+        return len(self.automaton)
+
+    def add(self, output: Sequence[int]) -> None:
+        """Remember one finished output (only the tokens the user got)."""
+        output = [int(t) for t in output]
+        if not output:
+            return
+        output = output[-max(1, self.max_tokens // 2 - 1):]  # (a bound of 2 or 3 still keeps one token)
+        self.outputs.append(output)
+        if len(self.automaton) + len(output) + 1 > self.max_tokens:
+            kept, size = [], 0
+            for earlier in reversed(self.outputs):
+                if kept and size + len(earlier) + 1 > self.max_tokens // 2:  # the newest always stays
+                    break
+                kept.append(earlier)
+                size += len(earlier) + 1
+            self.outputs = deque(reversed(kept))
+            self.automaton = SuffixAutomaton()
+            for earlier in self.outputs:
+                self._append(earlier)
+        else:
+            self._append(output)
+
+    def _append(self, output: list[int]) -> None:
+        for token in output:
+            self.automaton.extend(token)
+        self.automaton.extend(SEPARATOR)
+
+    def clear(self) -> None:
+        self.outputs.clear()
+        self.automaton = SuffixAutomaton()
+
+    def matcher(self) -> StoreMatch:
+        return StoreMatch(self.automaton)
+
+
+class StoreMatch:
+    """The longest suffix of a growing text (the request's history) that occurs in the store."""
+
+    __slots__ = ("automaton", "state", "length", "fed")
+
+    def __init__(self, automaton: SuffixAutomaton):
+        self.automaton = automaton
+        self.state = 0
+        self.length = 0
+        self.fed = 0
+
+    def sync(self, history: Sequence[int]) -> None:
+        """Read the tokens of ``history`` not read yet."""
+        follow = self.automaton.follow
+        state, length = self.state, self.length
+        for token in history[self.fed :]:
+            state, length = follow(state, length, int(token))
+        self.state, self.length, self.fed = state, length, len(history)
+
+    def continuation(self, max_tokens: int) -> tuple[int, list[int]]:
+        """(match length, what followed the match in the store, up to ``max_tokens``, cut
+        at the end of that output)."""
+        if self.length == 0:
+            return 0, []
+        tokens = self.automaton.after(self.state, max_tokens)
+        if SEPARATOR in tokens:
+            tokens = tokens[: tokens.index(SEPARATOR)]
+        return self.length, tokens

@@ -1,0 +1,188 @@
+"""Online acceptance calibration (`recap.core.calibration`): priors, convergence on synthetic
+Bernoulli outcomes, the reliability table and its ECE, the disabled ablation, reset."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from recap.core.calibration import (
+    RECYCLED,
+    REQUEST,
+    STORE,
+    AcceptanceCalibrator,
+    combine_reliability,
+    continuation_cells,
+    recycled_cells,
+)
+
+Q_MIDS = (np.arange(10) + 0.5) / 10
+
+
+def _cells() -> dict[str, np.ndarray]:
+    """A few cells of every source."""
+    return {
+        "recycled": recycled_cells(np.array([0.05, 0.55, 0.95, 0.55]), np.array([1, 1, 3, 7])),
+        "request": continuation_cells(REQUEST, 6, np.array([1, 2, 3, 5])),  # four offset buckets
+        "store": continuation_cells(STORE, 20, np.array([1, 2, 3, 9])),
+    }
+
+
+def test_cells_of_every_source_are_distinct_and_in_range():
+    calibrator = AcceptanceCalibrator()
+    n_cells = len(calibrator.prior)
+    q = np.repeat(Q_MIDS, 5)
+    depth = np.tile([1, 2, 3, 4, 6], 10)
+    recycled = recycled_cells(q, depth)
+    assert len(set(recycled.tolist())) == 50
+    request = continuation_cells(REQUEST, 40, np.arange(1, 41))
+    store = continuation_cells(STORE, 40, np.arange(1, 41))
+    assert not set(recycled.tolist()) & set(request.tolist())
+    assert not set(request.tolist()) & set(store.tolist())
+    everything = np.concatenate([recycled, request, store, continuation_cells(STORE, 1000, np.array([1000]))])
+    assert everything.min() >= 0 and everything.max() < n_cells
+    # q = 1 falls into the last bin, not past it; depths 4 and 5 share a bucket.
+    assert recycled_cells(np.array([1.0]), np.array([1]))[0] == recycled_cells(np.array([0.95]), np.array([1]))[0]
+    assert recycled_cells(np.array([0.5]), np.array([4]))[0] == recycled_cells(np.array([0.5]), np.array([5]))[0]
+    assert RECYCLED == 0 and {REQUEST, STORE} == {1, 2}
+
+
+def test_prior_before_any_data():
+    calibrator = AcceptanceCalibrator()
+    everything = np.arange(len(calibrator.prior))
+    assert calibrator.estimate(everything) == pytest.approx(calibrator.prior)
+    assert np.all((calibrator.prior > 0) & (calibrator.prior < 1))
+    # Recycled nodes: at a bin's midpoint the estimate is the cell's prior; a cautious prior
+    # (never above q), rising with q at every depth.
+    for depth in (1, 2, 3, 4, 6, 10):
+        cells = recycled_cells(Q_MIDS, np.full(10, depth))
+        assert calibrator.recycled(Q_MIDS, np.full(10, depth)) == pytest.approx(calibrator.estimate(cells))
+        q = np.linspace(0.0, 1.0, 101)
+        estimates = calibrator.recycled(q, np.full(101, depth))
+        assert np.all(np.diff(estimates) >= 0) and np.all(estimates <= q + 1e-12) and estimates[-1] > 0
+    # Continuations: a longer match is at least as trustworthy, and markedly more than a 1-token one.
+    for source in (REQUEST, STORE):
+        for offset in (1, 2, 5, 20):
+            by_length = [calibrator.estimate(continuation_cells(source, length, np.array([offset])))[0]
+                         for length in (1, 2, 3, 5, 9, 17, 40)]
+            assert np.all(np.diff(by_length) >= 0) and by_length[0] < by_length[-1]
+    assert calibrator.reliability() == {"bins": [], "ece": None, "labels": 0}
+
+
+def test_estimates_converge_to_the_true_acceptance_rates():
+    rng = np.random.default_rng(0)
+    calibrator = AcceptanceCalibrator()
+    cells = _cells()
+    truth = {"recycled": np.array([0.1, 0.5, 0.9, 0.3]), "request": np.array([0.9, 0.8, 0.5, 0.1]),
+             "store": np.array([0.95, 0.9, 0.9, 0.2])}
+    for _ in range(3000):  # one verification labels one node of every cell
+        for name, cell in cells.items():
+            calibrator.update(cell, rng.random(len(cell)) < truth[name])
+    for name, cell in cells.items():
+        assert calibrator.estimate(cell) == pytest.approx(truth[name], abs=0.03), name
+    # Recycled estimates follow the cell's rate (scaled within the bin by q): at the bin's
+    # midpoint the estimate is the cell's own.
+    q, depth = np.array([0.05, 0.55, 0.95, 0.55]), np.array([1, 1, 3, 7])
+    assert calibrator.recycled(q, depth) == pytest.approx(np.minimum(truth["recycled"], 0.999), abs=0.03)
+    assert calibrator.recycled(np.array([0.51]), np.array([1]))[0] < calibrator.recycled(np.array([0.59]),
+                                                                                      np.array([1]))[0]
+    # Cells never labelled keep their prior.
+    untouched = recycled_cells(np.array([0.35]), np.array([2]))
+    assert calibrator.estimate(untouched) == pytest.approx(calibrator.prior[untouched])
+
+
+def test_a_node_labelled_for_two_sources_counts_in_both_cells():
+    calibrator = AcceptanceCalibrator(prior_strength=1.0)
+    a = continuation_cells(REQUEST, 3, np.array([1]))[0]
+    b = continuation_cells(STORE, 3, np.array([1]))[0]
+    for _ in range(50):
+        calibrator.update(np.array([a, b]), np.array([True, True]))
+    assert calibrator.trials[a] == calibrator.trials[b] == 50
+    assert calibrator.estimate(np.array([a, b])) == pytest.approx([1.0, 1.0], abs=0.02)
+    calibrator.update(np.array([], dtype=np.int64), np.array([], dtype=bool))  # nothing labelled: no-op
+    assert calibrator.trials.sum() == 100
+
+
+def test_estimates_stay_probabilities():
+    calibrator = AcceptanceCalibrator()
+    cell = recycled_cells(np.array([0.95]), np.array([1]))
+    for _ in range(200):
+        calibrator.update(cell, np.array([True]))
+    assert 0.0 < calibrator.recycled(np.array([1.0]), np.array([1]))[0] <= 0.999
+    for _ in range(2000):
+        calibrator.update(cell, np.array([False]))
+    assert 0.0 <= calibrator.recycled(np.array([0.95]), np.array([1]))[0] < 0.1
+
+
+# ----------------------------------------------------------------------------- reliability
+def test_ece_is_small_for_a_calibrated_predictor_and_large_for_a_bad_one():
+    rng = np.random.default_rng(1)
+    predicted = rng.random(20000)
+    good = AcceptanceCalibrator()
+    good.record(predicted, rng.random(20000) < predicted)
+    report = good.reliability()
+    assert report["labels"] == 20000
+    assert report["ece"] < 0.02
+    assert len(report["bins"]) == 10
+    for row in report["bins"]:
+        assert abs(row["predicted"] - row["observed"]) < 0.05
+        lo, hi = (float(x) for x in row["bin"].split("-"))
+        assert lo <= row["predicted"] <= hi
+    assert sum(row["count"] for row in report["bins"]) == 20000
+
+    bad = AcceptanceCalibrator()
+    bad.record(np.full(5000, 0.9), rng.random(5000) < 0.1)  # confident and mostly wrong
+    bad_report = bad.reliability()
+    assert bad_report["ece"] == pytest.approx(0.8, abs=0.03)
+    assert [row["bin"] for row in bad_report["bins"]] == ["0.9-1.0"]
+
+
+def test_reliability_states_combine_across_streams():
+    rng = np.random.default_rng(2)
+    streams, together = [], AcceptanceCalibrator()
+    for _ in range(3):
+        predicted = rng.random(300)
+        accepted = rng.random(300) < predicted ** 2
+        calibrator = AcceptanceCalibrator()
+        calibrator.record(predicted, accepted)
+        together.record(predicted, accepted)
+        streams.append(calibrator.reliability_state())
+    combined = combine_reliability(streams)
+    assert combined["labels"] == 900
+    assert combined["ece"] == pytest.approx(together.reliability()["ece"])
+
+
+# ----------------------------------------------------------------------------- ablation and reset
+def test_a_disabled_calibrator_never_moves():
+    calibrator = AcceptanceCalibrator(enabled=False)
+    before = calibrator.estimate(np.arange(len(calibrator.prior))).copy()
+    q, depth = np.array([0.15, 0.85]), np.array([1, 4])
+    recycled_before = calibrator.recycled(q, depth).copy()
+    rng = np.random.default_rng(3)
+    for cell in _cells().values():
+        for _ in range(100):
+            calibrator.update(cell, rng.random(len(cell)) < 0.5)
+    calibrator.update(recycled_cells(q, depth), np.array([False, False]))
+    assert calibrator.estimate(np.arange(len(calibrator.prior))) == pytest.approx(before)
+    assert calibrator.recycled(q, depth) == pytest.approx(recycled_before)
+    assert calibrator.trials.sum() == 0
+    # The same priors as an enabled calibrator that has seen nothing.
+    assert AcceptanceCalibrator().recycled(q, depth) == pytest.approx(recycled_before)
+
+
+def test_reset_forgets_outcomes_and_keeps_the_settings():
+    calibrator = AcceptanceCalibrator(prior_strength=2.0)
+    prior = calibrator.prior.copy()
+    for cell in _cells().values():
+        calibrator.update(cell, np.zeros(len(cell), dtype=bool))
+    calibrator.record(np.array([0.2, 0.7]), np.array([True, False]))
+    assert calibrator.trials.sum() > 0 and calibrator.reliability()["labels"] == 2
+    assert not np.allclose(calibrator.estimate(np.arange(len(prior))), prior)
+    calibrator.reset()
+    assert calibrator.trials.sum() == 0 and calibrator.accepts.sum() == 0
+    assert calibrator.estimate(np.arange(len(prior))) == pytest.approx(prior)
+    assert calibrator.reliability()["labels"] == 0
+    assert calibrator.prior_strength == 2.0 and calibrator.enabled
+    disabled = AcceptanceCalibrator(enabled=False)
+    disabled.reset()
+    assert not disabled.enabled

@@ -1,0 +1,285 @@
+"""Verify-cost profiles: the numpy model, its cache (keys, corrupt and stale files), the
+measurement on the tiny models and the CLI. No wall-clock thresholds: timings only have to
+be positive and finite."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import recap
+from recap.cli import main
+from recap.core import CostProfile, DraftTree, ProfileError
+from recap.errors import InputError
+from recap.proposers.base import BaseProposer
+from recap.target import profile as profiles
+from tests.conftest import TINY_MODELS, load_target
+
+SMALL = {"sizes": (1, 2, 4), "contexts": (8, 24), "repeats": 1}
+"""A grid that measures in well under a second on the tiny models."""
+
+
+def fresh(name: str = "tiny-llama", dtype: str = "float32") -> recap.TargetModel:
+    """A new adapter over the session's cached weights: profiles set here do not leak."""
+    shared = load_target(name, dtype)
+    return recap.wrap(shared.model, shared.processor)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """An empty RECAP_CACHE that still finds the already built tiny models."""
+    for name in TINY_MODELS:
+        built = Path(load_target(name).name)
+        (tmp_path / built.name).symlink_to(built)
+    monkeypatch.setenv("RECAP_CACHE", str(tmp_path))
+    return tmp_path
+
+
+@pytest.fixture
+def measured(monkeypatch) -> list[str]:
+    """Record (and shrink) every measurement the lazy path makes."""
+    calls: list[str] = []
+    real = profiles.measure_profile
+
+    def small(target, **_options):
+        calls.append(target.name)
+        return real(target, **SMALL)
+
+    monkeypatch.setattr(profiles, "measure_profile", small)
+    return calls
+
+
+# --------------------------------------------------------------------------- the numpy model
+def grid() -> CostProfile:
+    return CostProfile(sizes=[1, 4], contexts=[0, 100], times=[[1.0, 4.0], [2.0, 8.0]], key={"model": "m"})
+
+
+def test_interpolates_in_size_and_context():
+    profile = grid()
+    assert profile.predict(2, 0) == pytest.approx(2.0)
+    assert profile.predict(4, 50) == pytest.approx(6.0)
+    assert profile.predict([1, 4], 100) == pytest.approx([2.0, 8.0])
+    assert profile.relative(4, 0) == pytest.approx(4.0)
+
+
+def test_extrapolates_beyond_the_grid():
+    profile = grid()
+    assert profile.predict(8, 0) == pytest.approx(8.0)  # the last segment's slope continues
+    assert profile.predict(1, 200) == pytest.approx(3.0)  # the two contexts' slope continues
+    assert profile.predict(1, -100) >= 1.0  # never below the smaller of the nearest rows
+
+
+def test_flat_costs_the_same_at_every_size():
+    flat = CostProfile.flat()
+    assert flat.relative([1, 2, 64, 500], 4000) == pytest.approx([1, 1, 1, 1])
+    flat.observe(64, 0, 100.0)  # a flat profile does not learn
+    assert flat.relative(64) == pytest.approx(1.0)
+
+
+def test_json_round_trip():
+    profile = grid()
+    again = CostProfile.from_json(profile.to_json())
+    assert again.key == profile.key and again.source == profile.source
+    np.testing.assert_array_equal(again.times, profile.times)
+    np.testing.assert_array_equal(again.sizes, profile.sizes)
+    np.testing.assert_array_equal(again.contexts, profile.contexts)
+
+
+@pytest.mark.parametrize("text", [
+    "not json", "[]", "{}", json.dumps({"version": 0}),
+    json.dumps({"version": 1, "key": {}, "sizes": [1, 2], "contexts": [0], "times": [[1.0]]}),
+    json.dumps({"version": 1, "key": {}, "sizes": [1, 2], "contexts": [0], "times": [[1.0, -1.0]]}),
+    json.dumps({"version": 1, "key": {}, "sizes": [2, 1], "contexts": [0], "times": [[1.0, 2.0]]}),
+    json.dumps({"version": 1, "sizes": [1], "contexts": [0], "times": [[1.0]]}),
+])
+def test_garbage_is_a_profile_error(text):
+    with pytest.raises(ProfileError):
+        CostProfile.from_json(text)
+
+
+def test_observe_moves_the_prediction_towards_observed_times():
+    profile = CostProfile(sizes=[1, 8, 64], contexts=[0], times=[[1.0, 2.0, 5.0]])
+    for _ in range(30):
+        profile.observe(8, 0, 4.0)
+    assert 2.0 < profile.predict(8) <= 4.0
+    assert profile.predict(1) == pytest.approx(1.0)  # other sizes keep their measured times
+
+
+# --------------------------------------------------------------------------- keys and the cache
+def test_key_follows_dtype_and_threads(monkeypatch):
+    key = profiles.profile_key(fresh())
+    assert key == profiles.profile_key(fresh())
+    assert profiles.profile_key(fresh(dtype="bfloat16"))["dtype"] == "bfloat16"
+    assert profiles.profile_path(profiles.profile_key(fresh(dtype="bfloat16"))) != profiles.profile_path(key)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: key["threads"] + 1)
+    other = profiles.profile_key(fresh())
+    assert other["threads"] == key["threads"] + 1
+    assert profiles.profile_path(other) != profiles.profile_path(key)
+
+
+def test_profile_path_is_stable_for_equal_keys(cache):
+    key = {"model": "m", "threads": 1, "dtype": "float32"}
+    path = profiles.profile_path(key)
+    assert path == profiles.profile_path(dict(reversed(list(key.items()))))
+    assert path.parent == cache / "profiles" and path.suffix == ".json"
+
+
+def test_missing_profile_is_measured_once_and_cached(cache, measured, capsys):
+    target = fresh()
+    first = target.verify_cost()
+    assert target.verify_cost() is first and measured == [target.name]
+    assert profiles.profile_path(profiles.profile_key(target)).exists()
+    assert profiles.load_or_measure(fresh()).key == first.key and len(measured) == 1  # read from the cache
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1  # one note while measuring
+
+
+@pytest.mark.parametrize("content", [b"{ not json", b"\xff\xfe\x00", json.dumps({"version": 0}).encode(), b""])
+def test_corrupt_or_old_profile_warns_once_and_is_remeasured(cache, measured, capsys, content):
+    target = fresh()
+    path = profiles.profile_path(profiles.profile_key(target))
+    path.parent.mkdir(parents=True)
+    path.write_bytes(content)
+    profile = profiles.load_or_measure(target)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "warning" in err[0] and str(path) in err[0]
+    assert measured == [target.name] and profile.key == profiles.profile_key(target)
+    assert profiles.read_profile(path).key == profile.key  # replaced by the new measurement
+
+
+def test_profile_of_other_settings_is_remeasured(cache, measured, capsys):
+    target = fresh()
+    key = profiles.profile_key(target)
+    stale = CostProfile.flat()
+    stale.key = {**key, "threads": key["threads"] + 7}
+    profiles.save_profile(stale, profiles.profile_path(key))
+    assert profiles.load_or_measure(target).source == "measured" and len(measured) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "threads" in err[0]
+
+
+def test_verify_cost_follows_a_thread_change(cache, measured, monkeypatch):
+    target = fresh()
+    target.verify_cost()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    assert target.verify_cost().key["threads"] == 3 and len(measured) == 2
+
+
+def test_explicit_specs(cache, measured, tmp_path, capsys):
+    target = fresh()
+    assert profiles.resolve_profile(target, "flat").source == "flat"
+    assert target.use_cost_profile("flat").source == "flat"
+    assert target.verify_cost().source == "flat" and not measured
+    given = CostProfile.linear(0.5)
+    assert target.use_cost_profile(given) is given and target.verify_cost() is given
+    assert target.use_cost_profile("auto") is None and target.cost_profile is None
+
+    foreign = CostProfile.linear(0.2)
+    foreign.key = {"model": "elsewhere"}
+    path = profiles.save_profile(foreign, tmp_path / "other-machine.json")
+    loaded = target.use_cost_profile(str(path))
+    assert loaded.source == "file" and loaded.predict(11) == pytest.approx(foreign.predict(11))
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1  # another key only warns
+    assert not measured
+
+
+def test_explicit_corrupt_or_missing_file_is_an_input_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{]")
+    for spec in (bad, tmp_path / "missing.json"):
+        with pytest.raises(InputError) as error:
+            profiles.resolve_profile(fresh(), spec)
+        assert "\n" not in str(error.value)
+
+
+class CostReader(BaseProposer):
+    """A drafter that asks for the cost profile and proposes one node."""
+
+    name = "cost-reader"
+    wants_cost = True
+
+    def propose(self, history, limits=None):
+        self.seen = limits
+        return DraftTree([int(history[-1])], [-1])
+
+
+def test_decode_asks_the_target_for_its_profile(cache, measured):
+    target = fresh()
+    proposer = CostReader()
+    result = recap.decode(target, proposer, target.prepare("Hello there."), max_new_tokens=4)
+    assert len(result.tokens) == 4 and measured == [target.name]
+    assert proposer.seen.cost is target.cost_profile and proposer.seen.context_len > 0
+
+
+# --------------------------------------------------------------------------- measurement
+def test_measure_profile_times_every_size():
+    target = fresh()
+    profile = profiles.measure_profile(target, **SMALL)
+    assert profile.times.shape == (2, 3) and profile.source == "measured"
+    assert np.all(np.isfinite(profile.times)) and np.all(profile.times > 0)
+    assert profile.key == profiles.profile_key(target) and target.cache is None
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_measure_works_on_every_family_text_only(name):
+    target = fresh(name)
+    profile = profiles.measure_profile(target, sizes=(1, 5), contexts=(12,), repeats=1)
+    assert np.all(profile.times > 0) and profile.contexts.tolist() == [12]
+    rows, _ = target.prefill(target.prepare("Still works?"))  # the target is usable afterwards
+    assert len(rows.ids) > 0
+
+
+def test_grid_is_clamped_to_the_context_window():
+    target = fresh()
+    target.max_context = limit = 40
+    profile = profiles.measure_profile(target, sizes=(1, 2, limit + 5), contexts=(16, 10**9), repeats=1)
+    assert profile.sizes.tolist() == [1, 2] and profile.contexts.tolist() == [16, limit - 2]
+    target.sliding_window = 20
+    profile = profiles.measure_profile(target, sizes=(1, 4), contexts=(16, 100), repeats=1)
+    assert profile.contexts.tolist() == [16]
+
+
+# --------------------------------------------------------------------------- command line
+@pytest.mark.parametrize("as_json", [False, True])
+def test_calibrate_writes_the_cache_and_out(cache, tmp_path, capsys, as_json):
+    out = tmp_path / "mine.json"
+    assert main(["calibrate", "--model", "tiny-llama", "--quick", "--threads", "1", "--out", str(out),
+                 *(["--json"] if as_json else [])]) == 0
+    printed = capsys.readouterr().out
+    profile = profiles.read_profile(out)
+    assert profile.key["threads"] == 1 and np.all(profile.times > 0)
+    if as_json:
+        assert json.loads(printed)["saved"][1] == str(out)
+    else:
+        assert str(out) in printed and "x1 @L=" in printed
+    cached = list((cache / "profiles").glob("*.json"))
+    assert len(cached) == 1 and profiles.read_profile(cached[0]).key == profile.key
+
+
+def test_bad_cost_profile_file_exits_2_with_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("garbage")
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "Hi.", "--cost-profile", str(bad),
+                 "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("recap: error:") and str(bad) in err[0]
+
+
+def test_flat_cost_profile_on_the_command_line(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "Hi.", "--cost-profile", "flat",
+                 "--max-new-tokens", "2", "--method", "pld"]) == 0
+    assert capsys.readouterr().out.strip()
+
+
+def test_bench_records_and_applies_the_cost_profile(tmp_path):
+    from recap.bench.runner import Bench, run_record
+    from tests.test_bench import _config
+
+    target = fresh()
+    bench = Bench(_config(tmp_path, topics=["alpha"], limit=1, cost_profile="flat"), target=target, progress=False)
+    bench.run()
+    assert target.cost_profile.source == "flat" and run_record(tmp_path / "out")["settings"]["cost_profile"] == "flat"
+    assert Bench(_config(tmp_path, cost_profile="auto"), progress=False).settings()["cost_profile"] is None

@@ -1,0 +1,297 @@
+"""Cost-aware RECAP (``recap``) and the paper's RECAP (``recap-paper``) end to end, float32:
+losslessness with drafts actually accepted, the negative control, tree sizes under flat and
+steep cost profiles, arbitrary memory and store contents, calibration inside a stream, and
+what proposers learn when EOS or the token limit cuts an accepted path.
+
+Random-weight models only repeat themselves when asked the same thing twice, so the streams
+here send each request twice: the second one is drafted from U and the output store.
+Every decode gets an explicit cost profile: nothing here measures the machine."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import recap
+import recap.check as check_module
+from recap.check import run_check
+from recap.core import CostProfile, DraftTree
+from recap.decoding import decode
+from recap.prompts import TEXT_PROMPTS, check_prompts
+from recap.proposers import LookaheadProposer, RecapConfig, RecapPaperProposer, RecapProposer
+from tests.broken_verifiers import first_child_walk
+
+PROFILE = CostProfile.linear(0.05)
+"""A real (non-flat) curve: t(N) = 1 + 0.05 (N - 1)."""
+STEEP = CostProfile(sizes=[1, 2], contexts=[0], times=[[1.0, 2.0]])
+"""t(2) = 2 t(1): no draft can pay for itself."""
+
+
+@pytest.fixture(autouse=True)
+def _never_measure(monkeypatch):
+    """A decode without an explicit profile would measure (and cache) one: refuse it."""
+
+    def refuse(self):
+        raise AssertionError("a test decode asked the target to measure its verify cost")
+
+    monkeypatch.setattr(recap.TargetModel, "verify_cost", refuse)
+
+
+def _check(monkeypatch, target, proposer, items, cost, *, vary=True, seed=0, max_new_tokens=40):
+    """`run_check` over ``items`` with every decode given ``cost``."""
+
+    def decode_with_cost(*args, **kwargs):
+        if kwargs.get("cost") is None:
+            kwargs["cost"] = cost
+        return decode(*args, **kwargs)
+
+    monkeypatch.setattr(check_module, "decode", decode_with_cost)
+    return run_check(target, proposer, max_new_tokens=max_new_tokens, vary=vary, seed=seed, items=items)
+
+
+def _repeated_items(target, count):
+    """``count`` built-in (prompt, image) pairs, each sent twice in a row."""
+    return [item for item in check_prompts(count, images=target.accepts_images) for _ in range(2)]
+
+
+def _assert_all_passed(report):
+    failures = [(case.index, case.first_difference) for case in report.cases if not case.passed]
+    assert not failures, f"{len(failures)} mismatches (case, first differing token): {failures}"
+
+
+def _assert_drafts_accepted(report):
+    """The check exercised drafting: with no draft accepted it would prove nothing."""
+    accepted = sum((case.tau - 1.0) for case in report.cases)
+    assert accepted > 0 and report.tau > 1.0, f"no draft accepted (tau {report.tau})"
+
+
+# ----------------------------------------------------------------------------- losslessness
+def test_cost_aware_recap_is_lossless_and_accepts_drafts_on_tiny_architectures(tiny_target, monkeypatch):
+    proposer = RecapProposer()
+    assert proposer.wants_cost and proposer.name == "recap"
+    report = _check(monkeypatch, tiny_target, proposer, _repeated_items(tiny_target, 4), PROFILE, seed=21)
+    _assert_all_passed(report)
+    _assert_drafts_accepted(report)
+    assert max(proposer.chosen_sizes) > 0 and min(proposer.chosen_sizes) >= 0
+
+
+def test_paper_recap_is_lossless_and_accepts_drafts_on_tiny_architectures(tiny_target, monkeypatch):
+    proposer = RecapPaperProposer()
+    assert not proposer.wants_cost and proposer.name == "recap-paper"
+    report = _check(monkeypatch, tiny_target, proposer, _repeated_items(tiny_target, 4), None, seed=22)
+    _assert_all_passed(report)
+    _assert_drafts_accepted(report)
+
+
+def test_a_wrong_verifier_makes_the_recap_check_fail(tiny_llama, monkeypatch):
+    """Negative control: the same check, with a walk that accepts the first child regardless."""
+    monkeypatch.setattr(DraftTree, "accept", first_child_walk)
+    report = _check(monkeypatch, tiny_llama, RecapProposer(), _repeated_items(tiny_llama, 3), CostProfile.flat(),
+                    vary=False, max_new_tokens=24, seed=23)
+    assert report.failed > 0
+
+
+# ----------------------------------------------------------------------------- tree sizes
+def _stream(target, proposer, prompts, cost, max_new_tokens=40):
+    results = []
+    for prompt in prompts:
+        results.append(decode(target, proposer, target.prepare(prompt), max_new_tokens=max_new_tokens, cost=cost))
+    return results
+
+
+def test_flat_cost_drafts_large_trees_and_steep_cost_drafts_none(tiny_llama):
+    prompt = TEXT_PROMPTS[2]
+    flat = RecapProposer()
+    _stream(tiny_llama, flat, [prompt], CostProfile.flat())  # a random model's first answer: nothing recycled yet
+    warm = len(flat.chosen_sizes)
+    results = _stream(tiny_llama, flat, [prompt] * 3, CostProfile.flat())
+    sizes = flat.chosen_sizes[warm:]
+    assert len(sizes) == sum(len(r.iterations) for r in results)
+    assert np.mean(sizes) >= 48, sizes
+    assert max(sizes) > 63  # continuations on top of the 63 recycled candidates: no fixed cap
+    assert all(r.tau > 4 for r in results)
+
+    steep = RecapProposer()
+    results = _stream(tiny_llama, steep, [prompt] * 4, STEEP)
+    assert steep.chosen_sizes and max(steep.chosen_sizes) == 0  # a fresh stream under a steep curve
+    assert all(it.draft_size == 0 for r in results for it in r.iterations)
+
+
+def test_no_cost_ablation_keeps_the_fixed_budget(tiny_llama):
+    proposer = RecapProposer(ablation="no-cost")
+    assert not proposer.wants_cost
+    _stream(tiny_llama, proposer, [TEXT_PROMPTS[3]] * 3, STEEP)  # the steep curve is ignored
+    assert max(proposer.chosen_sizes) == 63
+
+
+# ----------------------------------------------------------------------------- any memory, any store
+@st.composite
+def _unigram_rows(draw, vocab, history):
+    """Random U rows (keys, ids, probs), some keyed by the reference history pointing at its
+    next token so drafts get accepted, some garbage, some probabilities zero."""
+    keys, ids, probs = [], [], []
+    for _ in range(draw(st.integers(0, 25))):
+        width = draw(st.integers(1, 8))
+        keys.append(draw(st.integers(0, vocab - 1)))
+        ids.append(draw(st.lists(st.integers(0, vocab - 1), min_size=width, max_size=width, unique=True)))
+        probs.append(draw(st.lists(st.sampled_from([0.0, 0.1, 0.5, 1.0]), min_size=width, max_size=width)))
+    for position in draw(st.lists(st.integers(0, len(history) - 2), max_size=20)):
+        keys.append(history[position])
+        ids.append([history[position + 1], draw(st.integers(0, vocab - 1))])
+        probs.append([draw(st.floats(0.05, 1.0)), draw(st.floats(0.0, 1.0))])
+    rows = np.zeros((len(keys), 8), dtype=np.int64), np.zeros((len(keys), 8))
+    for i, (row_ids, row_probs) in enumerate(zip(ids, probs)):
+        row_probs = list(row_probs)
+        if len(set(row_ids)) < len(row_ids):  # a decoy equal to the true token: keep one
+            row_ids, row_probs = row_ids[:1], row_probs[:1]
+        if not any(row_probs):
+            row_probs[0] = 1.0
+        rows[0][i, : len(row_ids)] = row_ids
+        rows[1][i, : len(row_ids)] = row_probs
+    return np.asarray(keys, dtype=np.int64), rows[0], rows[1]
+
+
+_MEMORY_CASE: dict = {}
+
+
+def _memory_case(target):
+    if not _MEMORY_CASE:
+        inputs = target.prepare("Whatever the memory holds.")
+        _MEMORY_CASE.update(inputs=inputs, reference=target.reference_generate(inputs, 20))
+    return _MEMORY_CASE["inputs"], _MEMORY_CASE["reference"]
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_memory_or_store_content_changes_only_speed(tiny_llama, data):
+    inputs, reference = _memory_case(tiny_llama)
+    history = inputs.prompt_ids + reference
+    vocab = tiny_llama.vocab_size
+    keys, ids, probs = data.draw(_unigram_rows(vocab, history))
+    proposer = RecapProposer()
+    # Earlier "outputs" of the stream: random, or pieces of the true answer with wrong tails.
+    for _ in range(data.draw(st.integers(0, 4))):
+        if data.draw(st.booleans()):
+            start = data.draw(st.integers(0, len(history) - 2))
+            piece = history[start : start + data.draw(st.integers(1, 12))]
+            proposer.store.add(piece + data.draw(st.lists(st.integers(0, vocab - 1), max_size=6)))
+        else:
+            proposer.store.add(data.draw(st.lists(st.integers(0, vocab - 1), max_size=30)))
+    original = proposer.begin_request
+
+    def begin(prompt):
+        original(prompt)
+        proposer.memory.load_unigram(keys, ids, probs)
+
+    proposer.begin_request = begin
+    cost = data.draw(st.sampled_from([CostProfile.flat(), PROFILE, CostProfile.linear(0.3)]))
+    result = decode(tiny_llama, proposer, inputs, max_new_tokens=20, cost=cost)
+    assert result.tokens == reference
+    assert proposer.store.outputs[-1] == reference
+
+
+# ----------------------------------------------------------------------------- the paper's configuration
+def test_recap_paper_draws_the_paper_trees(tiny_llama):
+    paper = RecapPaperProposer()
+    plain = RecapProposer(RecapConfig(cost_aware=False, calibration=False, long_continuation=False,
+                                      stream_store=False))
+    trees = [[], []]
+    for proposer, drawn in zip((paper, plain), trees):
+        original = proposer.propose
+
+        def propose(history, limits=None, original=original, drawn=drawn):
+            tree = original(history, limits)
+            drawn.append((tree.tokens.tolist(), tree.parents.tolist()))
+            return tree
+
+        proposer.propose = propose
+        # The steep profile would cut a cost-aware tree to nothing; these ignore it.
+        _stream(tiny_llama, proposer, [TEXT_PROMPTS[4], TEXT_PROMPTS[4], TEXT_PROMPTS[5], TEXT_PROMPTS[5]], STEEP)
+    assert trees[0] == trees[1]
+    sizes = [len(tokens) for tokens, _ in trees[0]]
+    assert max(sizes) <= 63 + 4
+    assert max(sizes) >= 63  # the fixed budget was reached
+    assert not paper.chosen_sizes and not plain.chosen_sizes  # nothing chosen: the same tree every step
+
+
+# ----------------------------------------------------------------------------- calibration
+def test_calibration_learns_inside_a_stream(tiny_llama):
+    proposer = RecapProposer()
+    prior = proposer.calibrator.estimate(np.arange(len(proposer.calibrator.prior))).copy()
+    _stream(tiny_llama, proposer, [TEXT_PROMPTS[6]] * 3 + [TEXT_PROMPTS[7]] * 2, PROFILE)
+    calibrator = proposer.calibrator
+    report = calibrator.reliability()
+    assert report["labels"] > 0 and report["ece"] is not None
+    assert calibrator.trials.sum() >= report["labels"]  # every labelled node labels its cells
+    assert not np.allclose(calibrator.estimate(np.arange(len(prior))), prior)
+    disabled = RecapProposer(ablation="no-calibration")
+    _stream(tiny_llama, disabled, [TEXT_PROMPTS[6]] * 3, PROFILE)
+    assert disabled.calibrator.trials.sum() == 0
+    assert disabled.calibrator.reliability()["labels"] > 0  # still reported, never learned
+    proposer.reset_stream()
+    assert proposer.calibrator.trials.sum() == 0 and len(proposer.store) == 0 and not proposer.chosen_sizes
+
+
+# ----------------------------------------------------------------------------- cut paths are not learned
+class _TruthfulLookahead(LookaheadProposer):
+    """Lookahead whose drafts are the true continuation (a long chain, always accepted); the
+    trie learns through Lookahead's own observe."""
+
+    def __init__(self, truth, depth=20):
+        super().__init__()
+        self.truth = list(truth)
+        self.depth = depth
+
+    def propose(self, history, limits=None):
+        super().propose(history, limits)
+        chain = self.truth[len(history) : len(history) + self.depth]
+        return DraftTree(chain, list(range(-1, len(chain) - 1)))
+
+
+@pytest.mark.parametrize("cut", ["length", "eos"])
+def test_lookahead_never_learns_tokens_past_the_cut(tiny_llama, cut):
+    inputs = tiny_llama.prepare("Lookahead cut test.")
+    reference = tiny_llama.reference_generate(inputs, 40)
+    prompt = inputs.prompt_ids
+    proposer = _TruthfulLookahead(prompt + reference)
+    if cut == "length":
+        result = decode(tiny_llama, proposer, inputs, max_new_tokens=7, cost=None)
+        assert result.stop_reason == "length"
+    else:
+        eos = reference[6]
+        assert eos not in reference[:6]
+        result = decode(tiny_llama, proposer, inputs, max_new_tokens=40, eos_token_ids=[eos])
+        assert result.stop_reason == "eos"
+    kept = reference[:7]
+    assert result.tokens == kept and result.cut_inside_path
+    dropped = [t for t in reference[7:27] if t not in set(prompt + kept)]
+    assert dropped
+    trie = proposer.trie
+    text = prompt + kept
+    assert trie.counts(text[-3:]) is not None  # the kept tail was learned
+    for token in dropped:
+        assert trie.counts([token]) is None  # no window starts past the cut
+    for start in range(max(0, len(text) - trie.window), len(text)):
+        assert trie.counts([*text[start:], reference[7]]) is None  # none runs across it
+
+
+@pytest.mark.parametrize("cut", ["length", "eos"])
+def test_recap_remembers_exactly_the_returned_tokens(tiny_llama, cut):
+    inputs = tiny_llama.prepare(TEXT_PROMPTS[8])
+    proposer = RecapProposer()
+    first = decode(tiny_llama, proposer, inputs, max_new_tokens=40, cost=CostProfile.flat())
+    assert proposer.store.outputs[-1] == first.tokens
+    if cut == "length":
+        second = decode(tiny_llama, proposer, inputs, max_new_tokens=6, cost=CostProfile.flat())
+    else:
+        eos = first.tokens[5]
+        assert eos not in first.tokens[:5]
+        second = decode(tiny_llama, proposer, inputs, max_new_tokens=40, eos_token_ids=[eos],
+                        cost=CostProfile.flat())
+    assert second.tokens == first.tokens[:6]
+    assert second.cut_inside_path  # the repeat was drafted and accepted past the cut
+    assert proposer.store.outputs[-1] == second.tokens
+    assert len(proposer.store.outputs) == 2
+    assert proposer.automaton.tokens == inputs.prompt_ids + second.tokens
