@@ -26,7 +26,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
 # The measured losslessness table of the README (float32, every architecture, every method).
-CHECK_METHODS ?= decoy recap pld token-recycling tree-recycling sam sam-viskip lookahead
+CHECK_METHODS ?= decoy recap recap-paper pld token-recycling tree-recycling sam sam-viskip lookahead
 check-all: $(STAMP)
 	for model in tiny-llama tiny-qwen2.5-vl tiny-llava-next; do \
 		for method in $(CHECK_METHODS); do \

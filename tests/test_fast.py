@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from recap.core import DraftTree, PromptRows, VerifiedTree
 from recap.core.fast import FUSION_CODES, FastMemory, context_of, fusion_code
 from recap.core.fusion import FUSION_MODES
-from recap.core.memory import PredictionMemory
+from recap.core.memory import PredictionMemory, rows_from_logits
 from recap.proposers.recap import RecapPaperProposer, RecapProposer
 
 MODES = list(FUSION_CODES)
@@ -330,3 +330,31 @@ def test_bad_inputs_raise_and_write_nothing():
         fast.build_tree((2, 3, 1), 4, 3, 2, 2, np.ones(2), np.ones(3))  # etas too short
     tokens, parents, depths, _ = fast.build_tree((2, 3, 1), 4, 3, 2, 2, np.ones(4), np.ones(3))
     assert len(tokens) == len(parents) == len(depths) == 4
+
+
+def test_repeated_ids_in_a_loaded_row_become_one_child_in_both_engines():
+    # A saved memory pads narrower rows with id 0 at probability 0: loaded back, the row repeats
+    # token 0. Each child token must appear once, or the best-first search re-expands the same
+    # subtree over and over (it once grew the heap until memory ran out).
+    keys = np.array([5, 0], dtype=np.int64)
+    ids = np.array([[7, 0, 0, 0], [9, 0, 0, 0]], dtype=np.int64)
+    probs = np.array([[1.0, 0.0, 0.0, 0.0], [0.6, 0.4, 0.0, 0.0]])
+    fast = FastMemory(16, 4)
+    fast.load_unigram(keys, ids, probs)
+    tokens, parents, depths, q = fast.build_tree((-1, -1, 5), 63, 10, 8, 4, np.full(11, 0.5), np.ones(3))
+    assert len(tokens) < 63
+    for parent in set(parents.tolist()):
+        children = tokens[parents == parent].tolist()
+        assert len(children) == len(set(children))
+    reference = RecapProposer(engine="python", top_k=4, budget=63)
+    reference.begin_request(PromptRows(ids=np.array([1]), topk_ids=np.array([[2, 3, 4, 6]]),
+                                       topk_logits=np.zeros((1, 4), dtype=np.float32), eligible=np.array([False]),
+                                       vocab_size=16, excluded_tokens=frozenset()))
+    for key, row_ids, row_probs in zip(keys.tolist(), ids, probs):
+        with np.errstate(divide="ignore"):
+            logits = np.where(row_probs > 0, np.log(np.where(row_probs > 0, row_probs, 1.0)), -1e30)
+        reference.memory.unigram[key] = rows_from_logits(row_ids[None], logits[None])[0]
+    builder, _ = reference.build_tree([5])
+    for parent in set(builder.parents):
+        children = [t for t, p in zip(builder.tokens, builder.parents) if p == parent]
+        assert len(children) == len(set(children))

@@ -8,7 +8,7 @@ import pytest
 from recap.core import ROOT, DraftTree, PromptRows, VerifiedTree
 from recap.core.fusion import fuse as fuse_rows
 from recap.core.memory import PredictionMemory, make_row, rows_from_logits
-from recap.proposers.recap import RecapProposer
+from recap.proposers.recap import RecapPaperProposer
 
 
 def entropy_confidence(probs):
@@ -171,7 +171,8 @@ def test_request_reset_clears_contextual_maps_but_keeps_unigram():
 
 # ----------------------------------------------------------------------------- tree
 def _proposer_with_unigram(rows, **config):
-    proposer = RecapProposer(suffix_tokens=0, engine="python", **config)
+    """The paper's tree (recap-paper): these cases pin its best-first order and suffix rule."""
+    proposer = RecapPaperProposer(suffix_tokens=0, engine="python", **config)
     proposer.begin_request(_prompt([500, 501]))
     proposer.memory.unigram.clear()
     proposer.memory.unigram.update(rows)
@@ -212,7 +213,7 @@ def test_deeper_context_uses_fused_rows():
 
 
 def test_suffix_continuation_shares_the_tree_prefix():
-    proposer = RecapProposer(budget=2, engine="python")
+    proposer = RecapPaperProposer(budget=2, engine="python")
     # Prompt 1 3 10 20 99 7 ... then history ends with 3: the automaton continues 10 20 99 7.
     proposer.begin_request(_prompt([1, 3, 10, 20, 99, 7, 8]))
     proposer.memory.unigram.clear()

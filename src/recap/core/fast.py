@@ -346,12 +346,20 @@ def _fuse(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len, v
             raise ZeroDivisionError("float division by zero")
         for i in range(m):
             mix_p[i] = mix_p[i] / total
-    # ---- drop excluded tokens (no renormalisation), then at most `width` children
+    # ---- drop excluded tokens (no renormalisation) and repeats of a token already kept (a
+    # loaded row can pad with repeated zero-probability ids), then at most `width` children
     count = 0
     n_excluded = excluded.shape[0]
     for i in range(m):
         token = mix_tok[i]
         if 0 <= token < n_excluded and excluded[token]:
+            continue
+        repeated = False
+        for j in range(count):
+            if out_tok[slot, j + 1] == token:
+                repeated = True
+                break
+        if repeated:
             continue
         if count == width:
             break

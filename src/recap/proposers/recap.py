@@ -358,8 +358,14 @@ class RecapProposer(BaseProposer):
             rows = memory.lookup(u, v, x)
         config = self.config
         tokens, probs = fuse(rows, config.top_k, config.fusion, config.priors)
-        if self._excluded and not self._excluded.isdisjoint(tokens):
-            kept = [(t, p) for t, p in zip(tokens, probs) if t not in self._excluded]
+        if (self._excluded and not self._excluded.isdisjoint(tokens)) or len(set(tokens)) < len(tokens):
+            # no image tokens, and each token once (a loaded row can pad with repeated ids)
+            seen: set[int] = set()
+            kept = []
+            for t, p in zip(tokens, probs):
+                if t not in self._excluded and t not in seen:
+                    seen.add(t)
+                    kept.append((t, p))
             tokens, probs = [t for t, _ in kept], [p for _, p in kept]
         if len(tokens) > config.width:
             tokens, probs = tokens[: config.width], probs[: config.width]
@@ -371,7 +377,8 @@ class RecapProposer(BaseProposer):
 
         Children of a node are sorted by q, so the heap only ever holds, per expanded node,
         its best not-yet-added child: popping a child pushes its next sibling and its own
-        first child. Children of one parent are distinct, so no duplicate check is needed.
+        first child. ``fused`` keeps each child token once, so no duplicate check is needed
+        (a repeated child would re-expand the same subtree again and again).
         """
         config = self.config
         etas = self._etas
