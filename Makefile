@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint check-all gpu-check clean
+.PHONY: demo test test-wheel test-browser lint check-all check-sampling gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,19 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto
+
+# The built wheel on its own: a fresh venv far from this checkout, `recap generate` with every method.
+test-wheel:
+	scripts/check_wheel.sh
+
+# The serve playground in headless Chromium (Debian's chromium + chromium-driver, installed here
+# with apt; selenium drives it). Saves browser-out/playground.png.
+test-browser: $(STAMP)
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver)
+	$(PY) -m pip install --quiet "selenium>=4.20"
+	$(PY) -m pytest browser_tests -p no:cacheprovider
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -35,6 +47,16 @@ check-all: $(STAMP)
 	done
 	for method in $(CHECK_METHODS); do \
 		$(VENV)/bin/recap check --model smollm2-135m --method $$method --prompts 10 --vary --threads 1 || exit 1; \
+	done
+
+# Sampling's distribution test (recap check --temperature) for every method on every tiny architecture.
+SAMPLING_METHODS ?= recap recap-paper pld token-recycling tree-recycling sam sam-viskip lookahead
+check-sampling: $(STAMP)
+	for model in tiny-llama tiny-qwen2.5-vl tiny-llava-next; do \
+		for method in $(SAMPLING_METHODS); do \
+			$(VENV)/bin/recap check --model $$model --method $$method --prompts 2 --temperature 1.0 --top-k 4 \
+				--samples 600 --threads 1 || exit 1; \
+		done; \
 	done
 
 # On a machine with one CUDA GPU (not part of `make test` or CI), under 8 minutes: float32

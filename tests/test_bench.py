@@ -451,3 +451,16 @@ def test_cli_runs_and_rewrites_the_report(tmp_path, capsys):
     (out / "report.md").unlink()
     assert main(["bench", "--out", str(out), "--report-only"]) == 0
     assert (out / "report.md").is_file()
+
+
+def test_a_sampled_bench_keeps_every_method_identical_to_ar(tmp_path):
+    _bench(_config(tmp_path, methods="pld,recap", temperature=0.8, top_k=20))
+    rows = ResultsFile(tmp_path / "out").load()
+    assert rows and all(row["identical"] for row in rows)  # one seed per unit, shared by every method
+    greedy = tmp_path / "greedy"
+    _bench(_config(tmp_path, methods="pld", out=greedy))
+    sampled_ar = {r["unit"]: r["tokens"] for r in rows if r["method"] == "ar"}
+    greedy_ar = {r["unit"]: r["tokens"] for r in ResultsFile(greedy).load() if r["method"] == "ar"}
+    assert sampled_ar != greedy_ar
+    record = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert record["settings"]["sampling"] == {"temperature": 0.8, "top_k": 20, "top_p": None}

@@ -71,3 +71,35 @@ def test_demo_on_a_vision_language_model_saves_its_scenes(capsys, tmp_path):
     assert len(pngs) == len(DEMO_SCENES)
     out = capsys.readouterr().out
     assert "truth:" in out and "outputs identical to AR: yes" in out and pngs[0] in out
+
+
+def test_demo_memory_column_starts_recap_from_a_saved_memory(capsys, tmp_path):
+    path = tmp_path / "memory.safetensors"
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "Earlier request.", "--method", "recap",
+                 "--memory", str(path), "--max-new-tokens", "8"]) == 0
+    capsys.readouterr()
+    assert main(["demo", "--model", "tiny-llama", "--max-new-tokens", "6", "--methods", "recap",
+                 "--memory", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "recap+memory" in out and "outputs identical to AR: yes" in out
+    path.write_bytes(b"not a memory")
+    assert main(["demo", "--model", "tiny-llama", "--methods", "recap", "--memory", str(path)]) == 2
+    assert "memory" in capsys.readouterr().err
+
+
+def test_check_with_a_temperature_runs_the_distribution_test(capsys):
+    assert main(["check", "--model", "tiny-llama", "--method", "recap", "--prompts", "1", "--temperature", "1.0",
+                 "--top-k", "4", "--samples", "300"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[-1] == "1 passed, 0 failed" and "alpha 0.001" in out[-2]
+
+
+def test_generate_with_a_seed_gives_the_same_text_with_every_method(capsys):
+    texts = []
+    for method in ("ar", "recap", "pld"):
+        assert main(["generate", "--model", "tiny-llama", "--prompt", "Once upon a time", "--method", method,
+                     "--max-new-tokens", "10", "--temperature", "0.9", "--top-k", "20", "--seed", "5", "--json"]) == 0
+        texts.append(json.loads(capsys.readouterr().out)["tokens"])
+    assert texts[0] == texts[1] == texts[2]
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "hi", "--temperature", "1", "--top-p", "2"]) == 2
+    assert "top_p" in capsys.readouterr().err

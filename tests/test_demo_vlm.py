@@ -250,3 +250,18 @@ def test_train_demo_vlm_command_writes_loadable_weights(tmp_path):
     fresh = model.model.multi_modal_projector.linear_1.weight.clone()
     load_trainable(model, out)
     assert not torch.equal(model.model.multi_modal_projector.linear_1.weight, fresh)
+
+
+def test_the_shipped_memory_is_the_demo_vlm_s_and_rebuilds(tmp_path):
+    from recap.cli import main
+    from recap.core.persistence import read_token_memory
+    from recap.demo_vlm.memory import MEMORY, REQUESTS
+    from tests.conftest import load_target
+
+    shipped = read_token_memory(MEMORY)
+    assert shipped.store.tolist().count(-1) == REQUESTS and shipped.calibration is not None
+    assert shipped.vocab_size == load_target("recap-demo-vlm").vocab_size
+    out = tmp_path / "memory.safetensors"
+    assert main(["demo-vlm-memory", "--requests", "2", "--out", str(out)]) == 0
+    rebuilt = read_token_memory(out)
+    assert rebuilt.store.tolist().count(-1) == 2 and len(rebuilt.keys) > 10

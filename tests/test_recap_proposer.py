@@ -205,6 +205,85 @@ def test_memory_round_trip(tiny_llama, memory_file):
     assert checked > 10
 
 
+def test_memory_file_carries_the_output_store_and_the_calibration(tiny_llama, memory_file, tmp_path):
+    from recap.core.cost import CostProfile
+    from recap.decoding import decode
+
+    saved, path = memory_file
+    for _ in range(2):  # the same request twice: the second drafts from the store and labels nodes
+        decode(tiny_llama, saved, tiny_llama.prepare("A second request for the store."), max_new_tokens=10,
+               cost=CostProfile.flat())
+    saved.save_memory(path)
+    assert saved.store.flat().count(-1) == 3 and saved.calibrator.trials.sum() > 0
+    loaded = RecapProposer(memory_file=path)
+    loaded.begin_request(tiny_llama.prefill(tiny_llama.prepare("x"))[0])
+    tiny_llama.release()
+    assert loaded.store.flat() == saved.store.flat()
+    assert loaded.calibrator.trials.tolist() == saved.calibrator.trials.tolist()
+    assert loaded.calibrator.accepts.tolist() == saved.calibrator.accepts.tolist()
+    touched = saved.calibrator.trials > 0
+    assert np.allclose(loaded.calibrator.estimate(np.flatnonzero(touched)),
+                       saved.calibrator.estimate(np.flatnonzero(touched)))
+    # an ablation without a store or calibration ignores those parts of the file
+    bare = RecapProposer(ablation="no-store", memory_file=path)
+    bare.begin_request(tiny_llama.prefill(tiny_llama.prepare("x"))[0])
+    tiny_llama.release()
+    assert bare.store.flat() == []
+
+
+@pytest.mark.parametrize("engine", ["numba", "python"])
+def test_a_memory_bound_evicts_the_rows_of_tokens_not_seen_lately(tiny_llama, engine):
+    bounded = RecapProposer(max_memory_rows=20, engine=engine)
+    free = RecapProposer(engine=engine)
+    for prompt in ("First request about apples and pears.", "Second one on boats, trains and planes."):
+        for proposer in (bounded, free):
+            result = recap.generate(tiny_llama, prompt, method=proposer, max_new_tokens=12)
+    assert free.memory_counts()[0] > 20 == bounded.memory_counts()[0]
+    kept = set(bounded.memory.unigram_arrays()[0].tolist())
+    latest = set(tiny_llama.prepare("Second one on boats, trains and planes.").input_ids[0].tolist()) \
+        | set(result.tokens)
+    # the latest request's tokens go last: either only they are left, or all of theirs are
+    assert kept <= latest or (latest & set(free.memory.unigram_arrays()[0].tolist())) <= kept
+    with pytest.raises(recap.InputError):
+        RecapProposer(max_memory_rows=0)
+
+
+def test_version_1_memory_files_still_load(tiny_llama, memory_file, tmp_path):
+    from safetensors.numpy import save_file
+
+    from recap.core import persistence
+
+    saved, _ = memory_file
+    keys, ids, probs = saved.memory.unigram_arrays()
+    keys, ids, probs = keys.astype(np.int64), ids.astype(np.int64), probs.astype(np.float32)
+    old = tmp_path / "v1.safetensors"
+    save_file({"keys": keys, "ids": ids, "probs": probs}, str(old),
+              metadata={"format": persistence.FORMAT, "version": "1", "vocab_size": str(saved.vocab_size),
+                        "top_k": str(ids.shape[1]), "sha256": persistence._checksum(keys, ids, probs)})
+    read = persistence.read_token_memory(old)
+    assert read.calibration is None and read.store.size == 0 and len(read.keys) == len(keys)
+    loaded = RecapProposer(memory_file=old)
+    loaded.begin_request(tiny_llama.prefill(tiny_llama.prepare("x"))[0])
+    tiny_llama.release()
+    assert loaded.memory_counts()[0] >= len(keys) - 5 and loaded.store.flat() == []
+
+
+def test_a_save_never_leaves_a_temporary_file_or_a_partial_memory(tiny_llama, memory_file, monkeypatch):
+    from recap.core import persistence
+
+    saved, path = memory_file
+    before = path.read_bytes()
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(persistence.os, "replace", crash)
+    with pytest.raises(OSError, match="disk full"):
+        saved.save_memory(path)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]
+
+
 def test_corrupted_truncated_and_foreign_files_are_refused(tiny_llama, memory_file, tmp_path):
     _, path = memory_file
     data = bytearray(path.read_bytes())

@@ -11,18 +11,16 @@ from recap.check import run_check
 from recap.core import DraftTree, PromptRows, StaticTreeTemplate, VerifiedTree
 from recap.errors import InputError
 from recap.proposers import PROPOSERS, TokenRecyclingProposer, TreeRecyclingProposer, make_proposer
-from recap.proposers.token_recycling import DEFAULT_TEMPLATE, TEMPLATE_ENV
+from recap.proposers.token_recycling import REFERENCE_TEMPLATE, TEMPLATE_ENV, builtin_template
 from tests.broken_verifiers import first_child_walk
 from tests.conftest import load_target
 
-TEMPLATE_PATHS = json.loads(DEFAULT_TEMPLATE.read_text())["paths"] if DEFAULT_TEMPLATE.is_file() else None
+TEMPLATE_PATHS = builtin_template().paths()
 
 
 @pytest.fixture(autouse=True)
 def _default_template(monkeypatch):
     monkeypatch.delenv(TEMPLATE_ENV, raising=False)
-    if TEMPLATE_PATHS is None:
-        pytest.skip(f"the Token Recycling template is not at {DEFAULT_TEMPLATE}")
 
 
 def _prompt(ids, topk_ids, *, vocab=50, eligible=None, excluded=()):
@@ -61,11 +59,15 @@ def _tree_paths(tree: DraftTree) -> list[list[int]]:
 
 
 # ----------------------------------------------------------------------------- core pieces
-def test_the_222_template_has_80_candidates_in_6_layers():
-    template = StaticTreeTemplate.from_json(DEFAULT_TEMPLATE)
+def test_the_built_in_222_template_is_the_reference_file():
+    template = builtin_template()
     assert len(template) == 80 and template.max_depth == 6
     assert [s.stop - s.start for s in template.layers] == [8, 21, 25, 15, 8, 3]
-    assert template.paths() == TEMPLATE_PATHS
+    assert make_proposer("token-recycling").template.paths() == template.paths()
+    if not REFERENCE_TEMPLATE.is_file():
+        pytest.skip(f"the reference file is not at {REFERENCE_TEMPLATE}")
+    assert template.paths() == json.loads(REFERENCE_TEMPLATE.read_text())["paths"]
+    assert StaticTreeTemplate.from_json(REFERENCE_TEMPLATE).paths() == template.paths()
 
 
 def test_full_template_and_reordering_by_depth():

@@ -8,12 +8,13 @@ Quick start::
     print(result.text, result.tau)
 """
 
-from recap.decoding import GenerationResult, decode, generate
+from recap.decoding import DecodeStep, Decoding, GenerationResult, decode, generate
 from recap.errors import InputError, RecapError
 from recap.models import load
 from recap.proposers import PROPOSERS, Proposer, make_proposer
 from recap.target import TargetModel, wrap
+from recap.target.sampling import Sampling
 
-__all__ = ["PROPOSERS", "GenerationResult", "InputError", "Proposer", "RecapError", "TargetModel", "decode",
-           "generate", "load", "make_proposer", "wrap"]
+__all__ = ["PROPOSERS", "DecodeStep", "Decoding", "GenerationResult", "InputError", "Proposer", "RecapError",
+           "Sampling", "TargetModel", "decode", "generate", "load", "make_proposer", "wrap"]
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""``recap`` command line: generate, check, overhead, bench, demo, calibrate, train-demo-vlm, demo-vlm-data.
+"""``recap`` command line: generate, check, overhead, bench, demo, calibrate, train-demo-vlm, demo-vlm-data,
+demo-vlm-memory.
 
 Bad input (a missing image, an unknown model, an empty prompt...) is reported on one line
 with exit status 2, never as a traceback.
@@ -36,8 +37,23 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32")
     parser.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--max-new-tokens", type=int, default=None)
-    parser.add_argument("--top-k", type=_positive, default=8, help="Top-K row size reported to proposers")
+    parser.add_argument("--row-size", type=_positive, default=8,
+                        help="Top-K row size the target reports to proposers (default 8)")
     _cost_option(parser)
+    _sampling_options(parser)
+
+
+def _sampling_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 (default): greedy; > 0: lossless sampling with transformers' warpers")
+    parser.add_argument("--top-k", type=int, default=None, help="sampling: keep the K likeliest tokens")
+    parser.add_argument("--top-p", type=float, default=None, help="sampling: nucleus mass")
+
+
+def _sampling(args: argparse.Namespace, seed: int | None):
+    from recap.target.sampling import Sampling
+
+    return Sampling.of(args.temperature, args.top_k, args.top_p, seed)
 
 
 def _cost_option(parser: argparse.ArgumentParser) -> None:
@@ -92,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--memory", default=None, metavar="FILE",
                           help="recap: token memory U to start from (if the file exists) and to save back after")
     generate.add_argument("--json", action="store_true", help="print one JSON object instead of the text")
+    generate.add_argument("--seed", type=int, default=None, help="sampling: the seed (same seed, same text)")
 
     check = commands.add_parser("check", help="compare a method with model.generate(do_sample=False)")
     _common(check)
@@ -101,7 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--vary", action="store_true",
                        help="per prompt: a random token limit, and for half of them an EOS taken from the "
                             "reference output, so stops land inside accepted paths")
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--seed", type=int, default=0, help="seeds --vary draws and, when sampling, the first sample")
+    check.add_argument("--samples", type=_positive, default=1000,
+                       help="with --temperature > 0: sampled generations per prompt for the distribution test")
 
     overhead = commands.add_parser("overhead", help="host-side cost per iteration of a method (no model needed)")
     overhead.add_argument("--method", choices=list(PROPOSERS), default="recap")
@@ -121,10 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dtype", choices=list(DTYPES), default="float32")
     demo.add_argument("--threads", type=_positive, default=1)
     demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--memory", default="auto", metavar="FILE",
+                      help="RECAP memory for the recap+memory column: auto (the demo VLM's shipped memory of "
+                           "earlier requests), none, or a file")
     _cost_option(demo)
     _add_bench(commands)
     _add_calibrate(commands)
     _add_demo_vlm_data(commands)
+    _add_demo_vlm_memory(commands)
+    _add_serve(commands)
 
     train = commands.add_parser("train-demo-vlm", help="train the demo VLM's vision side (about 45 min on 2 cores)")
     train.add_argument("--seed", type=int, default=0)
@@ -160,6 +184,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _calibrate(args)
         if args.command == "demo-vlm-data":
             return _demo_vlm_data(args)
+        if args.command == "demo-vlm-memory":
+            return _demo_vlm_memory(args)
+        if args.command == "serve":
+            return _serve(args)
         from recap.demo import run_demo
 
         methods = tuple(m for m in args.methods.split(",") if m)
@@ -171,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.budget is not None and args.budget < 0:
             raise InputError(f"--budget cannot be negative, got {args.budget}")
         return run_demo(args.model, methods, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                        budget=args.budget, out=args.out, cost_profile=args.cost_profile)
+                        budget=args.budget, out=args.out, cost_profile=args.cost_profile, memory=args.memory)
     except InputError as error:
         print(f"recap: error: {error}", file=sys.stderr)
         return 2
@@ -214,12 +242,15 @@ def _generate(args: argparse.Namespace) -> int:
         raise InputError("the prompt is empty")
     image = load_image(args.image) if args.image else None
     proposer = _make_method(args)
-    target = load(args.model, dtype=args.dtype, top_k=args.top_k)
+    sampling = _sampling(args, args.seed)
+    target = load(args.model, dtype=args.dtype, top_k=args.row_size)
     target.use_cost_profile(args.cost_profile)
     if image is not None and not target.accepts_images:
         raise InputError(f"{args.model} is a text-only model: it cannot take an image")
     _note_text_only(args, target)
-    result = generate(target, args.prompt, image=image, method=proposer, max_new_tokens=args.max_new_tokens or 128)
+    result = generate(target, args.prompt, image=image, method=proposer, max_new_tokens=args.max_new_tokens or 128,
+                      **({"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                          "seed": sampling.seed} if sampling else {}))
     if args.memory:
         proposer.save_memory(args.memory)
     if args.json:
@@ -256,9 +287,12 @@ def _check(args: argparse.Namespace) -> int:
     from recap.models import load
 
     proposer = _make_method(args)
-    target = load(args.model, dtype=args.dtype, top_k=args.top_k)
+    sampling = _sampling(args, None)
+    target = load(args.model, dtype=args.dtype, top_k=args.row_size)
     target.use_cost_profile(args.cost_profile)
     _note_text_only(args, target)
+    if sampling is not None:
+        return _check_sampling(args, target, proposer, sampling)
     exact = args.dtype == "float32"
     with Progress(transient=True) as progress:
         task = progress.add_task(f"{args.method} vs generate", total=args.prompts)
@@ -283,6 +317,34 @@ def _check(args: argparse.Namespace) -> int:
     return 1 if exact and check.failed else 0
 
 
+def _check_sampling(args: argparse.Namespace, target, proposer, sampling) -> int:
+    """``check --temperature``: the distribution test of `recap.sampling_check` per prompt."""
+    from rich.progress import Progress
+
+    from recap.prompts import check_prompts
+    from recap.sampling_check import check_sampling, exact_prefixes
+
+    depth = 3 if sampling.top_k and sampling.top_k ** 3 <= 512 else 2
+    passed = failed = 0
+    with Progress(transient=True) as progress:
+        task = progress.add_task(f"{args.method}: sampling distribution", total=args.prompts * args.samples)
+        for index, (prompt, image) in enumerate(check_prompts(args.prompts, images=target.accepts_images)):
+            inputs = target.prepare(prompt, image)
+            table = exact_prefixes(target, inputs, sampling, depth)
+            report = check_sampling(target, proposer, inputs, sampling, depth=depth, runs=args.samples,
+                                    first_seed=args.seed + index * args.samples, probabilities=table,
+                                    on_run=lambda: progress.advance(task))
+            passed, failed = passed + report.passed, failed + (not report.passed)
+            progress.console.print(
+                f"#{index} {'ok' if report.passed else 'FAILED'} {prompt[:40]!r}: first {depth} tokens over "
+                f"{report.cells} cells, p joint {report.p_joint:.3g}, per position "
+                f"{', '.join(f'{p:.3g}' for p in report.p_positions)}; {report.accepted} draft tokens accepted")
+    print(f"model {args.model}, method {args.method}, temperature {sampling.temperature}, top-k {sampling.top_k}, "
+          f"top-p {sampling.top_p}: chi-square at alpha 0.001, {args.samples} samples per prompt")
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
 def _add_bench(commands) -> None:
     bench = commands.add_parser("bench", help="paired speed benchmark vs AR on MMSpec-format data: report and plots")
     bench.add_argument("--model", default="smollm2-135m",
@@ -298,7 +360,8 @@ def _add_bench(commands) -> None:
     bench.add_argument("--dtype", choices=list(DTYPES), default="float32")
     bench.add_argument("--threads", type=_positive, default=1, help="torch CPU threads, pinned and recorded")
     bench.add_argument("--max-new-tokens", type=int, default=24)
-    bench.add_argument("--seed", type=int, default=0, help="seeds the per-unit method order")
+    bench.add_argument("--seed", type=int, default=0, help="seeds the per-unit method order (and sampling seeds)")
+    _sampling_options(bench)
     bench.add_argument("--out", default="bench-out", help="output folder; a rerun resumes the run found there")
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up decode of each method")
     bench.add_argument("--report-only", action="store_true",
@@ -331,7 +394,10 @@ def _bench(args: argparse.Namespace) -> int:
     config = BenchConfig(model=args.model, methods=args.methods, data=args.data, topics=topics, limit=limit,
                          dtype=args.dtype, threads=args.threads, max_new_tokens=args.max_new_tokens,
                          seed=args.seed, out=Path(args.out), warmup=not args.no_warmup,
-                         cost_profile=args.cost_profile)
+                         cost_profile=args.cost_profile, temperature=args.temperature or None, top_k=args.top_k,
+                         top_p=args.top_p)
+    if args.temperature:
+        _sampling(args, 0)  # bad values are reported now, not at the first unit
     run = run_bench(config, console=console)
     if run.interrupted:
         print(f"recap: interrupted after {run.units_run} new unit(s); {args.out}/results.jsonl holds every finished "
@@ -414,6 +480,97 @@ def _add_demo_vlm_data(commands) -> None:
     data.add_argument("--out", required=True, metavar="DIR", help="folder to write mmspec.jsonl and images/ into")
     data.add_argument("--per-topic", type=_positive, default=2,
                       help="items per topic (captioning, shapes, charts, multi-turn; default 2)")
+
+
+def _add_demo_vlm_memory(commands) -> None:
+    from recap.demo_vlm.memory import MEMORY, REQUESTS
+
+    memory = commands.add_parser("demo-vlm-memory",
+                                 help="rebuild the demo VLM's RECAP memory of earlier requests (make demo's "
+                                      "recap+memory column)")
+    memory.add_argument("--requests", type=_positive, default=REQUESTS,
+                        help=f"earlier requests on training-range scenes (default {REQUESTS})")
+    memory.add_argument("--out", default=str(MEMORY), metavar="FILE",
+                        help="where to save it (default: the shipped file)")
+    memory.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
+
+
+def _demo_vlm_memory(args: argparse.Namespace) -> int:
+    import time
+    from pathlib import Path
+
+    from recap.demo_vlm.memory import build_memory
+    from recap.models import load
+
+    start = time.perf_counter()
+    target = load("recap-demo-vlm", dtype="float32")
+    out = build_memory(target, Path(args.out), requests=args.requests)
+    print(f"saved the memory of {args.requests} earlier requests to {out} "
+          f"({out.stat().st_size / 1024:.0f} KiB, {time.perf_counter() - start:.0f} s)")
+    return 0
+
+
+def _add_serve(commands) -> None:
+    serve = commands.add_parser("serve", help="an OpenAI-compatible chat-completions server (one request at a time)")
+    serve.add_argument("--model", required=True,
+                       help=f"built-in name ({', '.join(BUILTIN)}) or a local Hugging Face model folder")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1; another address needs --api-keys)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--method", choices=[m for m in PROPOSERS if m not in ("decoy", "random")], default="recap")
+    serve.add_argument("--dtype", choices=list(DTYPES), default="float32")
+    serve.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
+    serve.add_argument("--memory-dir", default=None, metavar="DIR",
+                       help="keep each tenant's drafting memory in DIR/<tenant>.safetensors across restarts")
+    serve.add_argument("--memory-rows", type=_positive, default=16384,
+                       help="bound of each tenant's RECAP token memory in rows (least recently seen go first)")
+    serve.add_argument("--api-keys", default=None, metavar="FILE",
+                       help="one '<tenant> <key>' per line; clients send 'Authorization: Bearer <key>'")
+    serve.add_argument("--max-queue", type=_positive, default=64, help="waiting requests before answering 429")
+    serve.add_argument("--max-tokens-limit", type=_positive, default=1024, help="largest max_tokens a request may ask")
+    serve.add_argument("--request-timeout", type=_positive, default=300, help="seconds a request may take in all")
+    serve.add_argument("--allow-local-images", action="store_true",
+                       help="accept image_url parts that are paths on this machine (off: base64 data: URLs only)")
+    _cost_option(serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import ipaddress
+    import logging
+    import signal
+
+    import uvicorn
+
+    from recap.models import load
+    from recap.serve import ServerConfig, create_app
+    from recap.serve.tenants import read_api_keys
+
+    keys = read_api_keys(args.api_keys) if args.api_keys else None
+    try:
+        loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
+    except ValueError:
+        loopback = False
+    if keys is None and not loopback:
+        raise InputError(f"--host {args.host} is reachable from other machines: give --api-keys FILE, or serve on "
+                         "127.0.0.1")
+    if not 0 <= args.port <= 65535:
+        raise InputError(f"--port must be in 0-65535, got {args.port}")
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
+    target = load(args.model, dtype=args.dtype)
+    target.use_cost_profile(args.cost_profile)
+    name = args.model if args.model in BUILTIN else os.path.basename(os.path.normpath(args.model))
+    config = ServerConfig(model_name=name, method=args.method, api_keys=keys, memory_dir=args.memory_dir,
+                          memory_rows=args.memory_rows,
+                          max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
+                          request_timeout=float(args.request_timeout), allow_local_images=args.allow_local_images)
+    app = create_app(target, config)
+    print(f"serving {name} with {args.method} on http://{args.host}:{args.port} ({torch.get_num_threads()} "
+          f"thread(s); {'tenants from ' + args.api_keys if keys else 'one tenant, no keys'})", flush=True)
+    # uvicorn shuts down gracefully on SIGTERM (the request in flight finishes, memories are saved), then
+    # raises the signal again for the previous handler: a no-op one here, so the exit status is 0.
+    signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+    return 0
 
 
 def _demo_vlm_data(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""The decoding loop: propose -> verify -> commit -> observe, until EOS or the token limit.
+"""The decoding loop: propose -> verify -> commit -> observe, until EOS or the token limit,
+as an iterator of steps (`Decoding`) so streaming, cancelling and `decode` share one loop.
 
 Greedy autoregressive decoding is the same loop with an empty tree, so AR and every drafter
 share prefill, verification and timing code.
@@ -7,15 +8,16 @@ share prefill, verification and timing code.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 from PIL import Image
 
-from recap.core import CostProfile, StepLimits
+from recap.core import CostProfile, DraftTree, StepLimits
 from recap.errors import InputError
 from recap.proposers import Proposer, make_proposer
 from recap.target import ModelInputs, TargetModel
+from recap.target.sampling import Sampler, Sampling
 
 
 @dataclass(frozen=True)
@@ -65,75 +67,141 @@ class GenerationResult:
         }
 
 
+@dataclass(frozen=True)
+class DecodeStep:
+    """What one step gave the user: the prefill's first token, then each verification's."""
+
+    tokens: list[int]
+    """Tokens committed by this step, in order (never past EOS or the token limit)."""
+    drafted: int
+    """How many of ``tokens`` (the first ones) were drafted and accepted; the rest, one at
+    most, is the target's own next token."""
+    iteration: IterationStats | None
+    """The verification's statistics; None for the prefill's token."""
+
+
+class Decoding:
+    """One request's decoding loop as an iterator of `DecodeStep`: what streaming, `decode`,
+    `generate` and the CLI all run. ``result`` grows as steps are taken and is complete once
+    the iterator is exhausted. Leaving early (``break``, ``close()``, an error, a cancelled
+    request) still frees the KV cache and ends the proposer's request."""
+
+    def __init__(self, target: TargetModel, proposer: Proposer, inputs: ModelInputs, *, max_new_tokens: int = 128,
+                 eos_token_ids: Sequence[int] | None = None, cost: CostProfile | None = None,
+                 sampling: Sampling | None = None):
+        if max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        ids = getattr(inputs, "input_ids", None)
+        prompt_len = ids.shape[1] if ids is not None else len(inputs)  # (a synthetic target takes a token list)
+        window = getattr(target, "sliding_window", None)
+        if window is not None and prompt_len + max_new_tokens > window:
+            raise InputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"model's sliding attention window of {window} tokens, beyond which tree verification "
+                             "is not exact")
+        max_context = getattr(target, "max_context", None)
+        if max_context is not None and prompt_len + max_new_tokens > max_context:
+            raise InputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                             f"model's context of {max_context} tokens")
+        self.target, self.proposer, self.inputs = target, proposer, inputs
+        self.max_new_tokens = max_new_tokens
+        self.eos = frozenset(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.cost = cost
+        self.sampler = Sampler(sampling, max_new_tokens) if sampling is not None else None
+        self.result = GenerationResult(tokens=[], prompt_len=prompt_len, prefill_s=0.0, total_s=0.0)
+
+    def __iter__(self) -> Iterator[DecodeStep]:
+        return self._steps()
+
+    def _steps(self) -> Iterator[DecodeStep]:
+        target, proposer, result, eos = self.target, self.proposer, self.result, self.eos
+        max_new_tokens, cost = self.max_new_tokens, self.cost
+        capture = getattr(target, "capture_image_attention", None)
+        if capture is not None:  # only proposers that gate on it (sam-viskip) pay for the measurement
+            capture(bool(getattr(proposer, "wants_image_attention", False)))
+        if cost is None and getattr(proposer, "wants_cost", False) and hasattr(target, "verify_cost"):
+            cost = target.verify_cost()
+        max_context = getattr(target, "max_context", None) or 1 << 62
+        clock = time.perf_counter
+        start = clock()
+        begun = False
+        try:
+            sampler = self.sampler
+            rows, first = target.prefill(self.inputs) if sampler is None else target.prefill(self.inputs, sampler)
+            proposer.begin_request(rows)
+            begun = True
+            history = rows.ids.tolist() + [first]
+            result.tokens.append(first)
+            result.prefill_s = clock() - start
+            done = first in eos or max_new_tokens == 1
+            if first in eos:
+                result.stop_reason = "eos"
+            yield DecodeStep([first], 0, None)
+            while not done:
+                t0 = clock()
+                context_len = target.past_len
+                tree = proposer.propose(history, StepLimits(cost=cost, context_len=context_len))
+                if len(tree) and context_len + tree.max_depth >= max_context:
+                    tree = DraftTree.empty()  # drafts would need positions past the model's context
+                t1 = clock()
+                step = target.verify(history[-1], tree) if sampler is None \
+                    else target.verify(history[-1], tree, sampler, len(result.tokens))
+                committed = step.committed
+                room = max_new_tokens - len(result.tokens)
+                taken = committed[:room]
+                for i, token in enumerate(taken):
+                    if token in eos:
+                        taken = taken[: i + 1]
+                        result.stop_reason = "eos"
+                        break
+                done = result.stop_reason == "eos" or len(taken) == room
+                if not done:
+                    target.commit(step.accepted)
+                t2 = clock()
+                if cost is not None:
+                    cost.observe(len(tree) + 1, context_len, t2 - t1)
+                if len(taken) < len(committed):  # tokens past EOS or the limit are never learned
+                    step = replace(step, kept=len(taken))
+                proposer.observe(step)
+                t3 = clock()
+                result.cut_inside_path |= len(taken) < len(committed)
+                result.tokens.extend(taken)
+                history.extend(taken)
+                iteration = IterationStats(len(tree), len(step.accepted), t1 - t0, t2 - t1, t3 - t2)
+                result.iterations.append(iteration)
+                yield DecodeStep(list(taken), min(len(step.accepted), len(taken)), iteration)
+        finally:
+            if begun:
+                proposer.end_request()
+            target.release()
+            result.total_s = clock() - start
+
+
 def decode(target: TargetModel, proposer: Proposer, inputs: ModelInputs, *, max_new_tokens: int = 128,
-           eos_token_ids: Sequence[int] | None = None, cost: CostProfile | None = None) -> GenerationResult:
-    """Greedy generation of at most ``max_new_tokens`` tokens, stopping after any EOS token.
-    The output equals ``model.generate(do_sample=False)``; the proposer only changes speed.
+           eos_token_ids: Sequence[int] | None = None, cost: CostProfile | None = None,
+           sampling: Sampling | None = None) -> GenerationResult:
+    """Generation of at most ``max_new_tokens`` tokens, stopping after any EOS token. Greedy
+    by default: the output equals ``model.generate(do_sample=False)``. With ``sampling`` each
+    token is an exact draw from the target's processed distribution (`recap.target.sampling`),
+    the same tokens for the same seed whatever the method. The proposer only changes speed.
 
     A cost-aware proposer (``wants_cost``) sizes each tree with ``cost``, by default the
     target's own verify-cost profile (`TargetModel.verify_cost`: cached, or measured once);
     every verification's measured time then corrects that profile online."""
-    if max_new_tokens < 1:
-        raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-    window = getattr(target, "sliding_window", None)
-    if window is not None and inputs.input_ids.shape[1] + max_new_tokens > window:
-        raise InputError(f"prompt ({inputs.input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                         f"the model's sliding attention window of {window} tokens, beyond which tree verification "
-                         "is not exact")
-    eos = frozenset(target.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    capture = getattr(target, "capture_image_attention", None)
-    if capture is not None:  # only proposers that gate on it (sam-viskip) pay for the measurement
-        capture(bool(getattr(proposer, "wants_image_attention", False)))
-    if cost is None and getattr(proposer, "wants_cost", False) and hasattr(target, "verify_cost"):
-        cost = target.verify_cost()
-    clock = time.perf_counter
-    start = clock()
-    rows, first = target.prefill(inputs)
-    proposer.begin_request(rows)
-    history = rows.ids.tolist() + [first]
-    result = GenerationResult(tokens=[first], prompt_len=len(rows.ids), prefill_s=clock() - start, total_s=0.0)
-    done = first in eos or max_new_tokens == 1
-    if first in eos:
-        result.stop_reason = "eos"
-    while not done:
-        t0 = clock()
-        context_len = target.past_len
-        tree = proposer.propose(history, StepLimits(cost=cost, context_len=context_len))
-        t1 = clock()
-        step = target.verify(history[-1], tree)
-        committed = step.committed
-        room = max_new_tokens - len(result.tokens)
-        taken = committed[:room]
-        for i, token in enumerate(taken):
-            if token in eos:
-                taken = taken[: i + 1]
-                result.stop_reason = "eos"
-                break
-        done = result.stop_reason == "eos" or len(taken) == room
-        if not done:
-            target.commit(step.accepted)
-        t2 = clock()
-        if cost is not None:
-            cost.observe(len(tree) + 1, context_len, t2 - t1)
-        if len(taken) < len(committed):  # tokens past EOS or the limit are never learned
-            step = replace(step, kept=len(taken))
-        proposer.observe(step)
-        t3 = clock()
-        result.cut_inside_path |= len(taken) < len(committed)
-        result.tokens.extend(taken)
-        history.extend(taken)
-        result.iterations.append(IterationStats(len(tree), len(step.accepted), t1 - t0, t2 - t1, t3 - t2))
-    proposer.end_request()
-    target.release()
-    result.total_s = clock() - start
-    return result
+    decoding = Decoding(target, proposer, inputs, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+                        cost=cost, sampling=sampling)
+    for _ in decoding:
+        pass
+    return decoding.result
 
 
 def generate(target: TargetModel, prompt: str | list[dict], *, image: Image.Image | None = None,
-             method: str | Proposer = "recap", max_new_tokens: int = 128) -> GenerationResult:
-    """Prepare the prompt (and image), decode with ``method``, and decode the text."""
+             method: str | Proposer = "recap", max_new_tokens: int = 128, temperature: float | None = None,
+             top_k: int | None = None, top_p: float | None = None, seed: int | None = None) -> GenerationResult:
+    """Prepare the prompt (and image), decode with ``method``, and decode the text. Greedy
+    unless ``temperature`` > 0 (then ``top_k``, ``top_p`` and ``seed`` apply)."""
+    sampling = Sampling.of(temperature, top_k, top_p, seed)
     proposer = make_proposer(method) if isinstance(method, str) else method
     inputs = target.prepare(prompt, image)
-    result = decode(target, proposer, inputs, max_new_tokens=max_new_tokens)
+    result = decode(target, proposer, inputs, max_new_tokens=max_new_tokens, sampling=sampling)
     result.text = target.tokenizer.decode(result.tokens, skip_special_tokens=True)
     return result

@@ -64,6 +64,18 @@ class BenchConfig:
     cost_profile: str | None = None
     """Verify-cost profile for cost-aware methods: ``auto`` (or None: the target's own,
     cached or measured once), ``flat`` or a profile file (`recap calibrate --out`)."""
+    temperature: float | None = None
+    """> 0: sample (with ``top_k``, ``top_p``); each unit's seed is shared by every method,
+    so their outputs are still identical token for token (`recap.target.sampling`)."""
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def sampling(self, unit_key: str):
+        """The unit's sampling settings (None: greedy)."""
+        from recap.target.sampling import Sampling
+
+        seed = int.from_bytes(hashlib.sha256(f"{self.seed}:sample:{unit_key}".encode()).digest()[:7], "big")
+        return Sampling.of(self.temperature, self.top_k, self.top_p, seed)
 
 
 @dataclass
@@ -142,7 +154,9 @@ class Bench:
                 "max_new_tokens": self.config.max_new_tokens, "seed": self.config.seed, "methods": self.labels,
                 "data": str(self.data_path), "system_prompt": self.config.system_prompt,
                 "cpu": machine()["cpu"], "warmup": self.config.warmup, "cost_profile": self._cost_spec(),
-                **({"device": self.config.device} if self.config.device != "cpu" else {})}
+                **({"device": self.config.device} if self.config.device != "cpu" else {}),
+                **({"sampling": {"temperature": self.config.temperature, "top_k": self.config.top_k,
+                                 "top_p": self.config.top_p}} if self.config.temperature else {})}
 
     def _cost_spec(self) -> str | None:
         """The --cost-profile setting; None for auto (so runs recorded before it resume)."""
@@ -280,7 +294,8 @@ class Bench:
             advance(f"{unit.topic} {unit.key} [bold]{label}[/]", 0)
             gc.collect()  # untimed: keep collector pauses out of the timed decode
             before = calibration.snapshot(streams[label])
-            results[label] = decode(self.target, streams[label], inputs, max_new_tokens=self.config.max_new_tokens)
+            results[label] = decode(self.target, streams[label], inputs, max_new_tokens=self.config.max_new_tokens,
+                                    sampling=self.config.sampling(unit.key))
             extra[label] = calibration.unit_fields(streams[label], before)  # untimed
             advance(f"{unit.topic} {unit.key} [bold]{label}[/]")
         reference = results[REFERENCE].tokens

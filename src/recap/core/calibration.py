@@ -95,6 +95,18 @@ class AcceptanceCalibrator:
         """Forget every outcome (a new stream starts)."""
         self.__init__(prior_strength=self.prior_strength, enabled=self.enabled)
 
+    def restore(self, trials: np.ndarray, accepts: np.ndarray) -> None:
+        """Continue from saved counts (`trials`, `accepts` of another stream's calibrator)."""
+        trials = np.asarray(trials, dtype=np.float64)
+        accepts = np.asarray(accepts, dtype=np.float64)
+        if trials.shape != self.trials.shape or accepts.shape != self.accepts.shape:
+            raise ValueError(f"calibration counts for {trials.shape[0]} cells; this RECAP has {self.trials.shape[0]}")
+        self.trials = trials.copy()
+        self.accepts = accepts.copy()
+        if self.enabled:
+            strength = self.prior_strength
+            self._estimate = (self.accepts + strength * self.prior) / (self.trials + strength)
+
     # ----------------------------------------------------------------- estimates
     def estimate(self, cells: np.ndarray) -> np.ndarray:
         """P(accepted | parent accepted) for nodes in ``cells``."""

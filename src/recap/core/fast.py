@@ -710,6 +710,14 @@ class FastMemory:
         """Entries in (U, C, G)."""
         return len(self.unigram), len(self.bigram), len(self.trigram)
 
+    def drop_unigram(self, keys) -> None:
+        """Forget U's rows of ``keys`` (eviction); their pool slots are reclaimed at the next
+        compaction (`reset_request`)."""
+        for key in keys:
+            key = int(key)
+            if key in self.unigram:
+                del self.unigram[key]
+
     def __len__(self) -> int:
         return sum(self.counts())
 

@@ -57,6 +57,11 @@ class PredictionMemory:
         self.bigram.clear()
         self.trigram.clear()
 
+    def drop_unigram(self, keys) -> None:
+        """Forget U's rows of ``keys`` (eviction)."""
+        for key in keys:
+            self.unigram.pop(int(key), None)
+
     def reset_stream(self) -> None:
         self.unigram.clear()
         self.reset_request()

@@ -1,10 +1,16 @@
-"""Saving and loading a stream's token memory U.
+"""Saving and loading a stream's persistent state: the token memory U and, since version 2,
+the stream's earlier outputs (the output store) and its acceptance calibration.
 
-Format: a safetensors file (no pickle, no code execution on load) with three tensors,
-``keys`` (int64, n), ``ids`` (int64, n x K) and ``probs`` (float32, n x K), and string
-metadata: ``format`` = ``recap-token-memory``, ``version`` = ``1``, ``vocab_size``, ``top_k``
-and ``sha256``, a checksum of the three tensors' bytes. Confidences are recomputed on load.
+Format: a safetensors file (no pickle, no code execution on load) with tensors ``keys``
+(int64, n), ``ids`` (int64, n x K) and ``probs`` (float32, n x K) for U; version 2 adds
+``store`` (int64: the remembered outputs, each followed by -1) and ``calibration_trials`` /
+``calibration_accepts`` (float64, one per calibration cell), each possibly empty. String
+metadata: ``format`` = ``recap-token-memory``, ``version``, ``vocab_size``, ``top_k`` and
+``sha256``, a checksum of the tensors' bytes. Confidences are recomputed on load. Version 1
+files (U only) still load.
 
+Saving is atomic and durable: a temporary file in the same folder, fsync, rename, so a
+crash during a save leaves either the previous file or the new one, never a mix.
 A truncated or corrupted file, a checksum mismatch, another format or version, or a
 vocabulary that differs from the target's raises `MemoryFileError` with the reason. A loaded
 memory only changes which drafts are proposed; verification keeps the output exact.
@@ -23,35 +29,62 @@ from recap.core.memory import PredictionMemory
 from recap.errors import InputError
 
 FORMAT = "recap-token-memory"
-VERSION = "1"
+VERSION = "2"
+READABLE_VERSIONS = ("1", "2")
+EXTRA_TENSORS = ("store", "calibration_trials", "calibration_accepts")
+"""Version 2's tensors beyond U, in checksum order."""
 
 
 class MemoryFileError(InputError):
     """A memory file that cannot be used; the message says why."""
 
 
-def _checksum(keys: np.ndarray, ids: np.ndarray, probs: np.ndarray) -> str:
+def _checksum(*arrays: np.ndarray) -> str:
     digest = hashlib.sha256()
-    for array in (keys, ids, probs):
+    for array in arrays:
         digest.update(np.ascontiguousarray(array).tobytes())
     return digest.hexdigest()
 
 
 def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray, probs: np.ndarray, *,
-                      vocab_size: int) -> None:
-    """Write U (keys [n], ids [n, K], probs [n, K]) atomically: a temporary file, then a
-    rename, so an interrupted save never leaves a half-written file under ``path``."""
+                      vocab_size: int, store: np.ndarray | None = None,
+                      calibration: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """Write U (keys [n], ids [n, K], probs [n, K]), the output store (flat, -1 after each
+    output) and the calibration counts (trials, accepts) atomically and durably."""
     from safetensors.numpy import save_file
 
-    keys = np.ascontiguousarray(keys, dtype=np.int64)
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
-    probs = np.ascontiguousarray(probs, dtype=np.float32)
-    metadata = {"format": FORMAT, "version": VERSION, "vocab_size": str(vocab_size), "top_k": str(ids.shape[1]),
-                "sha256": _checksum(keys, ids, probs)}
+    trials, accepts = calibration if calibration is not None else (np.zeros(0), np.zeros(0))
+    tensors = {
+        "keys": np.ascontiguousarray(keys, dtype=np.int64),
+        "ids": np.ascontiguousarray(ids, dtype=np.int64),
+        "probs": np.ascontiguousarray(probs, dtype=np.float32),
+        "store": np.ascontiguousarray(np.zeros(0) if store is None else store, dtype=np.int64),
+        "calibration_trials": np.ascontiguousarray(trials, dtype=np.float64),
+        "calibration_accepts": np.ascontiguousarray(accepts, dtype=np.float64),
+    }
+    metadata = {"format": FORMAT, "version": VERSION, "vocab_size": str(vocab_size),
+                "top_k": str(tensors["ids"].shape[1]),
+                "sha256": _checksum(*(tensors[name] for name in ("keys", "ids", "probs", *EXTRA_TENSORS)))}
     path = os.fspath(path)
     temporary = f"{path}.tmp-{os.getpid()}"
-    save_file({"keys": keys, "ids": ids, "probs": probs}, temporary, metadata=metadata)
-    os.replace(temporary, path)
+    try:
+        save_file(tensors, temporary, metadata=metadata)
+        with open(temporary, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        if os.path.exists(temporary):
+            os.unlink(temporary)
+    try:  # the rename itself survives a power cut once the folder is synced (POSIX)
+        folder = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(folder)
+    except OSError:
+        pass
+    finally:
+        os.close(folder)
 
 
 @dataclass(frozen=True)
@@ -63,6 +96,10 @@ class TokenMemoryFile:
     keys: np.ndarray
     ids: np.ndarray
     probs: np.ndarray
+    store: np.ndarray
+    """Earlier outputs, each followed by -1 (empty in version 1 files)."""
+    calibration: tuple[np.ndarray, np.ndarray] | None
+    """(trials, accepts) per calibration cell, or None (version 1, or saved without)."""
 
     def install(self, memory: PredictionMemory | FastMemory, vocab_size: int) -> None:
         if vocab_size != self.vocab_size:
@@ -88,18 +125,32 @@ def read_token_memory(path: str | os.PathLike) -> TokenMemoryFile:
         raise MemoryFileError(f"memory file {path} is truncated or not a RECAP memory file ({error})") from None
     if metadata.get("format") != FORMAT:
         raise MemoryFileError(f"{path} is not a RECAP token-memory file")
-    if metadata.get("version") != VERSION:
-        raise MemoryFileError(f"{path} has format version {metadata.get('version')!r}; this RECAP reads {VERSION}")
+    version = metadata.get("version")
+    if version not in READABLE_VERSIONS:
+        raise MemoryFileError(f"{path} has format version {version!r}; this RECAP reads "
+                              f"{', '.join(READABLE_VERSIONS)}")
+    names = ("keys", "ids", "probs", *(EXTRA_TENSORS if version == "2" else ()))
     try:
-        keys, ids, probs = tensors["keys"], tensors["ids"], tensors["probs"]
+        arrays = [tensors[name] for name in names]
         vocab_size = int(metadata["vocab_size"])
     except (KeyError, ValueError):
         raise MemoryFileError(f"memory file {path} is missing fields") from None
-    if _checksum(keys, ids, probs) != metadata.get("sha256"):
+    if _checksum(*arrays) != metadata.get("sha256"):
         raise MemoryFileError(f"memory file {path} is corrupted (checksum mismatch)")
+    keys, ids, probs = arrays[:3]
+    store = arrays[3] if version == "2" else np.zeros(0, dtype=np.int64)
+    calibration = (arrays[4], arrays[5]) if version == "2" and arrays[4].size else None
     if (keys.ndim != 1 or ids.shape != probs.shape or ids.ndim != 2 or len(keys) != len(ids)
             or (keys.size and (keys.min() < 0 or keys.max() >= vocab_size))
             or (ids.size and (ids.min() < 0 or ids.max() >= vocab_size))
             or not np.isfinite(probs).all() or (probs < 0).any()):
         raise MemoryFileError(f"memory file {path} holds inconsistent rows")
-    return TokenMemoryFile(path=path, vocab_size=vocab_size, keys=keys, ids=ids, probs=probs)
+    if store.ndim != 1 or (store.size and (store.min() < -1 or store.max() >= vocab_size)):
+        raise MemoryFileError(f"memory file {path} holds an inconsistent output store")
+    if calibration is not None:
+        trials, accepts = calibration
+        if (trials.shape != accepts.shape or trials.ndim != 1 or not np.isfinite(trials).all()
+                or not np.isfinite(accepts).all() or (accepts < 0).any() or (accepts > trials).any()):
+            raise MemoryFileError(f"memory file {path} holds inconsistent calibration counts")
+    return TokenMemoryFile(path=path, vocab_size=vocab_size, keys=keys, ids=ids, probs=probs, store=store,
+                           calibration=calibration)

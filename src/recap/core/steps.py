@@ -34,8 +34,10 @@ class PromptRows:
 
 @dataclass(frozen=True)
 class VerifiedTree:
-    """One verification: the tree, the target's Top-K and argmax at every packed position
-    (root = 0, node i = i + 1) and the accepted node indices (root excluded)."""
+    """One verification: the tree, the target's Top-K and its choice at every packed position
+    (root = 0, node i = i + 1) and the accepted node indices (root excluded). The choice is
+    the argmax under greedy decoding; under sampling, the draw at each position the walk
+    reached (argmax elsewhere)."""
 
     tree: DraftTree
     topk_ids: np.ndarray
@@ -50,7 +52,7 @@ class VerifiedTree:
 
     @property
     def committed(self) -> list[int]:
-        """Accepted draft tokens plus the bonus token (argmax at the last accepted node),
+        """Accepted draft tokens plus the bonus token (the choice at the last accepted node),
         cut to ``kept``."""
         last = self.accepted[-1] + 1 if self.accepted else 0
         tokens = [int(self.tree.tokens[i]) for i in self.accepted] + [int(self.argmax[last])]

@@ -60,6 +60,22 @@ class OutputStore:
         self.outputs.clear()
         self.automaton = SuffixAutomaton()
 
+    def flat(self) -> list[int]:
+        """The remembered outputs, each followed by `SEPARATOR` (what a memory file stores)."""
+        return [token for output in self.outputs for token in (*output, SEPARATOR)]
+
+    def restore(self, flat: Sequence[int]) -> None:
+        """Replace the store by the outputs of a `flat` listing (oldest first)."""
+        self.clear()
+        output: list[int] = []
+        for token in flat:
+            if int(token) == SEPARATOR:
+                self.add(output)
+                output = []
+            else:
+                output.append(int(token))
+        self.add(output)
+
     def matcher(self) -> StoreMatch:
         return StoreMatch(self.automaton)
 

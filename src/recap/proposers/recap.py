@@ -77,6 +77,9 @@ class RecapConfig:
     """Also draft continuations from the stream's earlier outputs."""
     store_tokens: int = 16384
     """Bound of the output store (tokens, per stream)."""
+    max_memory_rows: int | None = None
+    """Bound of U (rows, per stream; None: one per vocabulary token at most). Past it, after a
+    request, the rows whose token was least recently in a request's text are evicted."""
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
@@ -90,6 +93,8 @@ class RecapConfig:
             raise InputError("budget, suffix_tokens and max_continuation cannot be negative")
         if self.store_tokens < 2:
             raise InputError("store_tokens must be at least 2")
+        if self.max_memory_rows is not None and self.max_memory_rows < 1:
+            raise InputError("max_memory_rows must be at least 1")
 
     @property
     def scored(self) -> bool:
@@ -169,6 +174,9 @@ class RecapProposer(BaseProposer):
         self._factor = 1.0
         self.chosen_sizes: list[int] = []
         """Draft nodes chosen at each step of the stream (cost-aware configurations)."""
+        self._last_seen: dict[int, int] = {}
+        """token -> the last request whose text held it (eviction order of U)."""
+        self._requests = 0
         if memory_file is not None:
             self.load_memory(memory_file)
 
@@ -180,6 +188,7 @@ class RecapProposer(BaseProposer):
         self.calibrator.reset()
         self.store.clear()
         self.chosen_sizes = []
+        self._last_seen.clear()
 
     def begin_request(self, prompt: PromptRows) -> None:
         self.prompt = prompt
@@ -187,7 +196,7 @@ class RecapProposer(BaseProposer):
             self.memory = FastMemory(prompt.vocab_size, self.config.top_k)  # another vocabulary: a new stream
         self.vocab_size = prompt.vocab_size
         if self._pending_memory is not None:
-            self._pending_memory.install(self.memory, prompt.vocab_size)
+            self._install(self._pending_memory, prompt.vocab_size)
             self._pending_memory = None
         if not self.config.persistent_unigram:
             self.memory.reset_stream()
@@ -219,11 +228,27 @@ class RecapProposer(BaseProposer):
         return bool(self.config.suffix_tokens) or self.config.long_continuation
 
     def end_request(self) -> None:
-        if not self.config.persistent_context:
-            self.memory.reset_request()
         if self.config.stream_store:
             self.store.add(self._generated)
+        if self.config.max_memory_rows is not None:
+            self._evict(self.config.max_memory_rows)
+        if not self.config.persistent_context:
+            self.memory.reset_request()
         self._pending = None
+
+    def _evict(self, bound: int) -> None:
+        """Keep at most ``bound`` U rows: those whose token was most recently in a request."""
+        self._requests += 1
+        for token in (*self.prompt.ids.tolist(), *self._generated):
+            self._last_seen[int(token)] = self._requests
+        keys, _, _ = self.memory.unigram_arrays()
+        if len(keys) <= bound:
+            return
+        age = np.array([self._last_seen.get(int(k), 0) for k in keys])
+        evicted = keys[np.argsort(age, kind="stable")[: len(keys) - bound]]
+        self.memory.drop_unigram(evicted)
+        for key in evicted.tolist():
+            self._last_seen.pop(key, None)
 
     def memory_counts(self) -> tuple[int, int, int]:
         """Rows held by (U, C, G)."""
@@ -464,19 +489,34 @@ class RecapProposer(BaseProposer):
 
     # ------------------------------------------------------------------ persistence
     def save_memory(self, path: str | PathLike) -> None:
-        """Write U (the stream's token memory) to ``path`` (see `recap.core.persistence`)."""
+        """Write the stream's persistent state to ``path``: U, the output store and the
+        calibration counts (see `recap.core.persistence`; atomic, durable)."""
         from recap.core.persistence import save_token_memory
 
         if self.vocab_size is None or self.memory is None:
             raise InputError("nothing to save yet: the memory's vocabulary is known after the first request")
-        save_token_memory(path, *self.memory.unigram_arrays(), vocab_size=self.vocab_size)
+        calibration = (self.calibrator.trials, self.calibrator.accepts) if self.config.calibration else None
+        save_token_memory(path, *self.memory.unigram_arrays(), vocab_size=self.vocab_size,
+                          store=np.asarray(self.store.flat(), dtype=np.int64), calibration=calibration)
 
     def load_memory(self, path: str | PathLike) -> None:
-        """Read a U file now (errors surface here); it is installed at the next request,
+        """Read a memory file now (errors surface here); it is installed at the next request,
         once the target's vocabulary is known and checked."""
         from recap.core.persistence import read_token_memory
 
         self._pending_memory = read_token_memory(path)
+
+    def _install(self, saved, vocab_size: int) -> None:
+        from recap.core.persistence import MemoryFileError
+
+        saved.install(self.memory, vocab_size)
+        if self.config.stream_store:
+            self.store.restore(saved.store.tolist())
+        if saved.calibration is not None and self.config.calibration:
+            try:
+                self.calibrator.restore(*saved.calibration)
+            except ValueError as error:
+                raise MemoryFileError(f"memory file {saved.path}: {error}") from None
 
 
 class RecapPaperProposer(RecapProposer):

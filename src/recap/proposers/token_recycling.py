@@ -15,9 +15,10 @@
 One deviation, for VLMs: a node whose token is in ``prompt.excluded_tokens`` (image
 placeholders, which break the forward when drafted) is dropped with its subtree.
 
-The template is read at runtime from ``template=``, else ``$RECAP_TR_TEMPLATE``, else
-``../shared/data/token_recycling_tree_2.2.2.json`` beside the repository. It is never copied
-into the package.
+The template is ``template=`` (a JSON file of rank paths, or a `StaticTreeTemplate`), else
+the file in ``$RECAP_TR_TEMPLATE``, else the built-in "2.2.2" shape (`TEMPLATE_222`), so an
+installed wheel needs no file beside it. The tests check that shape against the reference
+file ``../shared/data/token_recycling_tree_2.2.2.json`` when it is there.
 """
 
 from __future__ import annotations
@@ -33,27 +34,42 @@ from recap.proposers.recycling import RecyclingProposer
 
 TEMPLATE_ENV = "RECAP_TR_TEMPLATE"
 TEMPLATE_FILE = "token_recycling_tree_2.2.2.json"
-DEFAULT_TEMPLATE = Path(__file__).resolve().parents[3].parent / "shared" / "data" / TEMPLATE_FILE
-"""``../shared/data`` next to the repository root (src/recap/proposers/ is three levels down)."""
+REFERENCE_TEMPLATE = Path(__file__).resolve().parents[3].parent / "shared" / "data" / TEMPLATE_FILE
+"""The reference file in ``../shared/data`` next to the repository root (tests compare with it)."""
+
+TEMPLATE_222: dict[tuple[int, ...], int] = {
+    (): 8,
+    (0,): 8, (1,): 4, (2,): 3, (3,): 2, (4,): 1, (5,): 1, (6,): 1, (7,): 1,
+    (0, 0): 8, (0, 1): 3, (0, 2): 2, (0, 3): 1, (0, 4): 1, (0, 5): 1, (0, 6): 1, (0, 7): 1,
+    (1, 0): 2, (1, 1): 1, (2, 0): 1, (3, 0): 1, (4, 0): 1, (5, 0): 1,
+    (0, 0, 0): 5, (0, 0, 1): 2, (0, 0, 2): 1, (0, 0, 3): 1, (0, 0, 4): 1, (0, 1, 0): 1, (0, 2, 0): 1,
+    (1, 0, 0): 1, (2, 0, 0): 1, (3, 0, 0): 1,
+    (0, 0, 0, 0): 3, (0, 0, 0, 1): 1, (0, 0, 0, 2): 1, (0, 0, 1, 0): 1, (0, 1, 0, 0): 1, (1, 0, 0, 0): 1,
+    (0, 0, 0, 0, 0): 2, (0, 0, 0, 1, 0): 1,
+}
+"""Token Recycling's static "2.2.2" tree: how many children (ranks 0..n-1 of the parent's
+Top-8 row) each node has, a node being its path of ranks from the root. 80 candidates, 6
+layers."""
 
 
-def template_path(template: str | PathLike | None = None) -> Path:
-    """Where the template is read from: the argument, else the env var, else the default."""
-    if template is not None:
-        return Path(template)
-    from_env = os.environ.get(TEMPLATE_ENV)
-    return Path(from_env) if from_env else DEFAULT_TEMPLATE
+def builtin_template() -> StaticTreeTemplate:
+    """`TEMPLATE_222` as rank paths, layer by layer, parents in the order listed."""
+    paths = [(*parent, rank) for parent, children in TEMPLATE_222.items() for rank in range(children)]
+    return StaticTreeTemplate.from_paths(sorted(paths, key=len))
 
 
 def load_template(template: str | PathLike | None = None) -> StaticTreeTemplate:
-    """The "2.2.2" template; a missing file is an `InputError` that says what was tried."""
-    path = template_path(template)
+    """The template from ``template`` or ``$RECAP_TR_TEMPLATE`` (a missing file is an
+    `InputError` that says what was tried), else the built-in "2.2.2" shape."""
+    from_env = os.environ.get(TEMPLATE_ENV)
+    if template is None and not from_env:
+        return builtin_template()
+    path = Path(template if template is not None else from_env)
     if not path.is_file():
-        source = "template=" if template is not None else (f"${TEMPLATE_ENV}" if os.environ.get(TEMPLATE_ENV)
-                                                            else "the default location")
+        source = "template=" if template is not None else f"${TEMPLATE_ENV}"
         raise InputError(f"Token Recycling's tree template was not found at {str(path)!r} (from {source}); "
-                         f"pass template=PATH or set {TEMPLATE_ENV} to the {TEMPLATE_FILE} file "
-                         "(it lives in ../shared/data beside the repository and is not shipped)")
+                         f"pass template=PATH or set {TEMPLATE_ENV} to a JSON file of rank paths, or unset it "
+                         "to use the built-in 2.2.2 tree")
     return StaticTreeTemplate.from_json(path)
 
 

@@ -22,6 +22,7 @@ from recap.core import CostProfile, DraftTree, PromptRows, VerifiedTree
 from recap.errors import InputError
 from recap.target.attention import compact_cache, tree_attention_mask, tree_positions
 from recap.target.image_attention import ImageAttentionCapture
+from recap.target.sampling import Sampler
 
 Message = dict[str, Any]
 
@@ -35,6 +36,9 @@ class ModelInputs:
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     """Further forward arguments (attention_mask, pixel_values, image_grid_thw, ...)."""
     has_image: bool = False
+    positions: torch.Tensor | None = None
+    """Prompt position ids computed by the caller (``generate()`` hands M-RoPE ones to a
+    custom loop after popping the image grid); None: the adapter computes them."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -149,9 +153,10 @@ class TargetModel:
         return inputs
 
     @torch.inference_mode()
-    def prefill(self, inputs: ModelInputs) -> tuple[PromptRows, int]:
+    def prefill(self, inputs: ModelInputs, sampler: Sampler | None = None) -> tuple[PromptRows, int]:
         """Run the prompt, keep its KV cache; return the Top-K rows at every prompt position
-        and the first greedy token (whose KV entry is not cached yet: it is the next root)."""
+        and the first token, greedy or drawn by ``sampler`` (its KV entry is not cached yet:
+        it is the next root)."""
         self.cache = DynamicCache()
         input_ids = inputs.input_ids.to(self.device)
         extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.extra.items()}
@@ -161,6 +166,7 @@ class TargetModel:
         self.past_len = input_ids.shape[1]
         self._packed = 0
         ids, logits, argmax = self._top_rows(out.logits[0])
+        first = int(argmax[-1]) if sampler is None else sampler.token(out.logits[0, -1], 0)
         prompt_ids = inputs.input_ids[0].numpy()
         special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
         eligible = np.array([t not in self.excluded_tokens and t not in special for t in prompt_ids.tolist()],
@@ -168,11 +174,13 @@ class TargetModel:
         rows = PromptRows(ids=prompt_ids, topk_ids=ids, topk_logits=logits, eligible=eligible,
                           vocab_size=self.vocab_size, excluded_tokens=self.excluded_tokens,
                           image_attention=capture.take() if capture is not None else None)
-        return rows, int(argmax[-1])
+        return rows, first
 
     @torch.inference_mode()
-    def verify(self, root: int, tree: DraftTree) -> VerifiedTree:
-        """One forward over [root] + tree nodes, each seeing the prefix and its ancestors."""
+    def verify(self, root: int, tree: DraftTree, sampler: Sampler | None = None, position: int = 0) -> VerifiedTree:
+        """One forward over [root] + tree nodes, each seeing the prefix and its ancestors.
+        Greedy by default; with ``sampler``, the sampling walk decides (``position``: the
+        output position the root's row predicts)."""
         if self.cache is None:
             raise RuntimeError("verify() before prefill()")
         tokens, depths = tree.packed(root)
@@ -186,8 +194,13 @@ class TargetModel:
         )
         self._packed = len(tokens)
         ids, logits, argmax = self._top_rows(out.logits[0])
-        return VerifiedTree(tree=tree, topk_ids=ids, topk_logits=logits, argmax=argmax,
-                            accepted=tree.accept(argmax),
+        if sampler is None:
+            accepted = tree.accept(argmax)
+        else:
+            accepted, draws = sampler.walk(tree, out.logits[0], position)
+            for row, token in draws.items():
+                argmax[row] = token
+        return VerifiedTree(tree=tree, topk_ids=ids, topk_logits=logits, argmax=argmax, accepted=accepted,
                             image_attention=capture.take() if capture is not None else None)
 
     @torch.inference_mode()

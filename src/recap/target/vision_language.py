@@ -55,6 +55,9 @@ class QwenVLTarget(_VisionLanguageTarget):
 
     def _prefill_positions(self, inputs: ModelInputs) -> torch.Tensor:
         extra = inputs.extra
+        if inputs.positions is not None:  # (3, 1, P) M-RoPE positions from generate()
+            self.position_offset = int(inputs.positions.max()) + 1 - inputs.input_ids.shape[1]
+            return inputs.positions.to(self.device)
         if extra.get("image_grid_thw") is None:
             return super()._prefill_positions(inputs)
         positions, deltas = self.model.model.get_rope_index(

@@ -1,0 +1,10 @@
+"""``recap serve``: an OpenAI-compatible chat-completions server around one target model.
+
+`chat` parses requests and shapes responses, `tenants` maps keys to tenants and their
+memories, `engine` decodes one request at a time from a FIFO queue, `app` is the FastAPI
+application, `metrics` its Prometheus counters; ``playground.html`` is the page at ``/``.
+"""
+
+from recap.serve.app import ServerConfig, create_app
+
+__all__ = ["ServerConfig", "create_app"]

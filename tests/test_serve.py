@@ -1,0 +1,393 @@
+"""`recap serve`: a real server on 127.0.0.1 (a free port), called with the real `openai` client.
+
+Answers must equal greedy decoding (`--method ar`) token for token, streamed or not, under
+concurrency; tenants never share memory; errors are JSON, never tracebacks.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+
+from recap.decoding import decode
+from recap.images import synthetic_image
+from recap.proposers import make_proposer
+from recap.serve import ServerConfig, create_app
+from tests.conftest import load_target
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(model: str, **options):
+    """A real uvicorn server in a thread; yields its base URL and the app."""
+    target = load_target(model)
+    app = create_app(target, ServerConfig(model_name=model, **options))
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(60)
+
+
+def _client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _data_url(image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def _greedy_text(model: str, prompt: str, image=None, max_tokens: int = 16) -> str:
+    target = load_target(model)
+    result = decode(target, make_proposer("ar"), target.prepare(prompt, image), max_new_tokens=max_tokens)
+    return target.tokenizer.decode(result.tokens, skip_special_tokens=True)
+
+
+def _content(prompt: str, image=None):
+    if image is None:
+        return prompt
+    return [{"type": "image_url", "image_url": {"url": _data_url(image)}}, {"type": "text", "text": prompt}]
+
+
+def _streamed(client, model, prompt, image=None, max_tokens=16):
+    messages = [{"role": "user", "content": _content(prompt, image)}]
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, stream=True,
+                                            stream_options={"include_usage": True})
+    text, usage, finish = "", None, None
+    for part in stream:
+        if part.choices:
+            text += part.choices[0].delta.content or ""
+            finish = part.choices[0].finish_reason or finish
+        if part.usage is not None:
+            usage = part.usage
+    return text, usage, finish
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2.5-vl", "tiny-llava-next"])
+def test_answers_equal_greedy_streamed_or_not(model):
+    image = synthetic_image(3, 48, 40) if model != "tiny-llama" else None
+    prompts = ["Tell me about the sea.", "Tell me about the sea."]  # twice: the second drafts from the first
+    expected = _greedy_text(model, prompts[0], image, 16)
+    with serving(model) as (url, app):
+        client = _client(url)
+        answer = client.chat.completions.create(model=model, max_tokens=16,
+                                                messages=[{"role": "user", "content": _content(prompts[0], image)}])
+        assert answer.choices[0].message.content == expected
+        assert answer.usage.completion_tokens <= 16 and answer.model_extra["recap"]["method"] == "recap"
+        text, usage, finish = _streamed(client, model, prompts[1], image)
+        assert text == expected and usage is not None and finish in ("stop", "length")
+        assert client.models.list().data[0].id == model
+    assert app.state.tenants.streams["default"].store.flat().count(-1) == 2
+
+
+def test_the_demo_vlm_answers_an_image_like_greedy():
+    from recap.demo_vlm.scenes import HELD_OUT_START, make_example
+
+    image = make_example(HELD_OUT_START + 3).image()
+    expected = _greedy_text("recap-demo-vlm", "Describe the image.", image, 32)
+    with serving("recap-demo-vlm") as (url, _):
+        client = _client(url)
+        for _ in range(2):
+            text, usage, _ = _streamed(client, "recap-demo-vlm", "Describe the image.", image, 32)
+            assert text == expected and usage.completion_tokens > 3
+
+
+def test_forty_requests_from_eight_clients_all_greedy_and_a_full_queue_answers_429():
+    prompts = [f"Item {i}: say something about number {i % 7}." for i in range(40)]
+    expected = {p: _greedy_text("tiny-llama", p, max_tokens=10) for p in prompts}
+    with serving("tiny-llama", max_queue=64) as (url, app):
+        client = _client(url)
+
+        def ask(prompt):
+            reply = client.chat.completions.create(model="tiny-llama", max_tokens=10,
+                                                   messages=[{"role": "user", "content": prompt}])
+            return prompt, reply.choices[0].message.content
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = list(pool.map(ask, prompts))
+        assert len(answers) == 40 and all(text == expected[p] for p, text in answers)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'recap_requests_total{status="ok"} 40.0' in metrics
+    with serving("tiny-llama", max_queue=1) as (url, _):
+        def raw(prompt):
+            response = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+                "model": "tiny-llama", "max_tokens": 24, "messages": [{"role": "user", "content": prompt}]})
+            return prompt, response
+
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(raw, prompts[:8]))
+        busy = [r for _, r in results if r.status_code == 429]
+        served = [(p, r) for p, r in results if r.status_code == 200]
+        assert busy and served and len(busy) + len(served) == 8
+        assert all(r.headers.get("retry-after") and r.json()["error"]["code"] == "queue_full" for r in busy)
+        for prompt, response in served:
+            assert response.json()["choices"][0]["message"]["content"] == _greedy_text("tiny-llama", prompt, None, 24)
+
+
+def test_tenants_never_share_a_stream_or_a_memory_file(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# tenant key\nalice key-of-alice-0001\nbob key-of-bob-00002\n")
+    from recap.serve.tenants import read_api_keys
+
+    api_keys = read_api_keys(keys)
+    memory = tmp_path / "memory"
+    with serving("tiny-llama", api_keys=api_keys, memory_dir=str(memory)) as (url, app):
+        alice, bob = _client(url, "key-of-alice-0001"), _client(url, "key-of-bob-00002")
+        for prompt in ("Alice talks about apples.", "Alice talks about apples again."):
+            alice.chat.completions.create(model="tiny-llama", max_tokens=12,
+                                          messages=[{"role": "user", "content": prompt}])
+        alice_file = (memory / "alice.safetensors").read_bytes()
+        for prompt in ("Bob asks about boats.", "Bob asks about boats again."):
+            bob.chat.completions.create(model="tiny-llama", max_tokens=12,
+                                        messages=[{"role": "user", "content": prompt}])
+        assert (memory / "alice.safetensors").read_bytes() == alice_file  # B's requests never touch A's file
+        streams = app.state.tenants.streams
+        assert streams["alice"] is not streams["bob"]
+        alice_outputs = streams["alice"].store.flat()
+        bob_outputs = streams["bob"].store.flat()
+        assert alice_outputs and bob_outputs and alice_outputs != bob_outputs
+        with pytest.raises(openai.AuthenticationError):
+            _client(url, "not-a-key").chat.completions.create(model="tiny-llama", max_tokens=2,
+                                                              messages=[{"role": "user", "content": "hi"}])
+    # Bob's memory is exactly what Bob's requests alone make (recap-paper: deterministic trees).
+    def bob_memory(with_alice: bool, folder: Path) -> dict:
+        with serving("tiny-llama", method="recap-paper", api_keys=api_keys, memory_dir=str(folder)) as (url, _):
+            if with_alice:
+                _client(url, "key-of-alice-0001").chat.completions.create(
+                    model="tiny-llama", max_tokens=12, messages=[{"role": "user", "content": "Alice's apples."}])
+            _client(url, "key-of-bob-00002").chat.completions.create(
+                model="tiny-llama", max_tokens=12, messages=[{"role": "user", "content": "Bob's boats."}])
+        from recap.core.persistence import read_token_memory
+
+        saved = read_token_memory(folder / "bob.safetensors")
+        return {"keys": saved.keys, "ids": saved.ids, "store": saved.store}
+
+    alone, mixed = bob_memory(False, tmp_path / "alone"), bob_memory(True, tmp_path / "mixed")
+    assert all(np.array_equal(alone[k], mixed[k]) for k in alone)
+
+
+def test_a_corrupt_memory_file_is_moved_aside_and_the_tenant_starts_cold(tmp_path, caplog):
+    memory = tmp_path / "memory"
+    memory.mkdir()
+    (memory / "default.safetensors").write_bytes(b"garbage")
+    with serving("tiny-llama", memory_dir=str(memory)) as (url, _):
+        reply = _client(url).chat.completions.create(model="tiny-llama", max_tokens=6,
+                                                     messages=[{"role": "user", "content": "Hello"}])
+        assert reply.choices[0].message.content == _greedy_text("tiny-llama", "Hello", None, 6)
+    names = sorted(p.name for p in memory.iterdir())
+    assert "default.safetensors" in names and any(n.startswith("default.safetensors.unreadable-") for n in names)
+    assert any("moved to" in r.message for r in caplog.records)
+
+
+CRASH_WRITER = """
+import sys, numpy as np
+from recap.core.persistence import save_token_memory
+path = sys.argv[1]
+rng = np.random.default_rng(0)
+states = []
+for n in (3000, 5000):
+    keys = np.arange(n, dtype=np.int64)
+    ids = rng.integers(0, 49152, (n, 8))
+    probs = np.full((n, 8), 1 / 8, dtype=np.float32)
+    states.append((keys, ids, probs, np.arange(n, dtype=np.int64) % 100))
+print("ready", flush=True)
+i = 0
+while True:
+    keys, ids, probs, store = states[i % 2]
+    save_token_memory(path, keys, ids, probs, vocab_size=49152, store=store)
+    i += 1
+"""
+
+
+def test_sigkill_during_memory_saves_never_leaves_an_unloadable_file(tmp_path):
+    from recap.core.persistence import read_token_memory
+
+    path = tmp_path / "tenant.safetensors"
+    rng = np.random.default_rng(1)
+    for _ in range(5):
+        writer = subprocess.Popen([sys.executable, "-c", CRASH_WRITER, str(path)], stdout=subprocess.PIPE, text=True,
+                                  cwd=Path(__file__).resolve().parents[1])
+        assert writer.stdout.readline().strip() == "ready"
+        time.sleep(0.2 + float(rng.random()) * 0.5)
+        writer.send_signal(signal.SIGKILL)
+        writer.wait()
+        saved = read_token_memory(path)  # raises if the file were torn
+        assert len(saved.keys) in (3000, 5000) and len(saved.store) == len(saved.keys)
+
+
+def test_sigterm_finishes_and_saves_memories_then_exits_0(tmp_path):
+    port = _free_port()
+    memory = tmp_path / "memory"
+    server = subprocess.Popen([sys.executable, "-m", "recap.cli", "serve", "--model", "tiny-llama", "--port", str(port),
+                               "--memory-dir", str(memory), "--threads", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              cwd=Path(__file__).resolve().parents[1], env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert time.monotonic() < deadline and server.poll() is None, "the server did not start"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+        reply = _client(f"http://127.0.0.1:{port}").chat.completions.create(
+            model="tiny-llama", max_tokens=6, messages=[{"role": "user", "content": "Hello"}])
+        assert reply.choices[0].message.content
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert (memory / "default.safetensors").exists()
+
+
+# ----------------------------------------------------------------------------- errors
+def _post(url, body=None, *, raw=None, headers=None):
+    response = httpx.post(f"{url}/v1/chat/completions", json=body if raw is None else None,
+                          content=raw, headers=headers, timeout=60)
+    text = response.text
+    assert "Traceback" not in text
+    return response.status_code, response.json()["error"]
+
+
+def test_every_error_is_json_with_its_status(tmp_path):
+    image = tmp_path / "a.png"
+    synthetic_image(0, 16, 16).save(image)
+    ok_message = [{"role": "user", "content": "hi"}]
+    with serving("tiny-llama", max_tokens_limit=64, max_body_bytes=200_000) as (url, app):
+        assert _post(url, raw=b"{not json")[0] == 400
+        assert _post(url, {"model": "tiny-llama", "messages": []})[0] == 400
+        status, error = _post(url, {"model": "tiny-llama", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}},
+            {"type": "text", "text": "hi"}]}]})
+        assert status == 400 and error["code"] == "invalid_image"
+        status, error = _post(url, {"model": "tiny-llama", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": _data_url(synthetic_image(0, 16, 16))}}]}]})
+        assert status == 400 and "text-only" in error["message"]
+        status, error = _post(url, {"model": "tiny-llama", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}]}]})
+        assert status == 400 and error["code"] == "image_url_not_supported"
+        status, error = _post(url, {"model": "tiny-llama", "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": str(image)}}]}]})
+        assert status == 400 and "--allow-local-images" in error["message"]
+        status, error = _post(url, {"model": "tiny-llama", "messages": ok_message, "max_tokens": 65})
+        assert status == 400 and error["code"] == "max_tokens_too_large"
+        target = load_target("tiny-llama")
+        words = target.max_context - 30
+        words -= target.prepare("word " * words).input_ids.shape[1] - (target.max_context - 30)
+        long_prompt = "word " * words  # 30 tokens short of the context: 60 new tokens do not fit
+        status, error = _post(url, {"model": "tiny-llama", "messages": [{"role": "user", "content": long_prompt}],
+                                    "max_tokens": 60})
+        assert status == 400 and "context" in error["message"]
+        assert _post(url, {"model": "tiny-llama", "messages": ok_message, "temperature": -1})[0] == 400
+        assert _post(url, {"model": "tiny-llama", "messages": ok_message, "temperature": 1, "top_p": 3})[0] == 400
+        status, error = _post(url, {"model": "gpt-17", "messages": ok_message})
+        assert status == 404 and error["code"] == "model_not_found"
+        assert _post(url, raw=b"x" * 300_000)[0] == 413
+        assert httpx.get(f"{url}/nowhere").status_code == 404 and "error" in httpx.get(f"{url}/nowhere").json()
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("secret internal detail")
+
+        app.state.tenants.stream = broken
+        status, error = _post(url, {"model": "tiny-llama", "messages": ok_message, "max_tokens": 4})
+        assert status == 500 and "secret" not in error["message"] and error["type"] == "server_error"
+    with serving("tiny-llama", api_keys={"k" * 12: "t"}) as (url, _):
+        status, error = _post(url, {"model": "tiny-llama", "messages": ok_message})
+        assert status == 401 and error["code"] == "invalid_api_key"
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+
+
+def test_a_client_that_disconnects_cancels_its_request():
+    with serving("tiny-llama", max_tokens_limit=4096) as (url, app):
+        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60, json={
+                "model": "tiny-llama", "stream": True, "max_tokens": 2000,
+                "messages": [{"role": "user", "content": "Write forever."}]}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+        deadline = time.monotonic() + 30
+        while app.state.engine.busy:
+            assert time.monotonic() < deadline, "the cancelled request kept decoding"
+            time.sleep(0.05)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'recap_requests_total{status="499"} 1.0' in metrics
+
+
+def test_the_cli_refuses_a_public_host_without_keys(capsys):
+    from recap.cli import main
+
+    assert main(["serve", "--model", "tiny-llama", "--host", "0.0.0.0"]) == 2
+    assert "--api-keys" in capsys.readouterr().err
+
+
+def test_the_playground_page_is_served():
+    with serving("tiny-llama") as (url, _):
+        page = httpx.get(url).text
+        assert "RECAP playground" in page and "tiny-llama" in page and "drafted" in page
+        assert json.loads(httpx.get(f"{url}/health").text)["status"] == "ok"
+
+
+def test_each_tenant_memory_is_bounded(tmp_path):
+    from recap.core.persistence import read_token_memory
+
+    with serving("tiny-llama", memory_dir=str(tmp_path), memory_rows=10) as (url, app):
+        _client(url).chat.completions.create(model="tiny-llama", max_tokens=12,
+                                             messages=[{"role": "user", "content": "A request with many words in it."}])
+        assert app.state.tenants.streams["default"].memory_counts()[0] == 10
+    assert len(read_token_memory(tmp_path / "default.safetensors").keys) == 10
+
+
+def test_a_request_past_the_time_limit_is_stopped_with_504():
+    with serving("tiny-llama", request_timeout=0.001, max_tokens_limit=512) as (url, app):
+        status, error = _post(url, {"model": "tiny-llama", "max_tokens": 500,
+                                    "messages": [{"role": "user", "content": "Write at length."}]})
+        assert status == 504 and "time limit" in error["message"]
+        assert not app.state.engine.busy
+
+
+def test_sampled_answers_follow_the_seed_like_plain_sampling():
+    from recap.target.sampling import Sampling
+
+    target = load_target("tiny-llama")
+    expected = target.tokenizer.decode(decode(target, make_proposer("ar"), target.prepare("Once upon a time"),
+                                              max_new_tokens=12, sampling=Sampling(0.9, 20, 0.95, 7)).tokens,
+                                       skip_special_tokens=True)
+    with serving("tiny-llama") as (url, _):
+        client = _client(url)
+        for _ in range(2):
+            reply = client.chat.completions.create(model="tiny-llama", max_tokens=12, temperature=0.9, top_p=0.95,
+                                                   seed=7, extra_body={"top_k": 20},
+                                                   messages=[{"role": "user", "content": "Once upon a time"}])
+            assert reply.choices[0].message.content == expected
