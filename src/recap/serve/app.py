@@ -14,7 +14,6 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
@@ -49,10 +48,9 @@ class ServerConfig:
 
 def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
     tenants = TenantStreams(config.method, target.vocab_size, config.memory_dir, config.memory_rows)
-    state: dict[str, Any] = {}
+    metrics = Metrics(lambda: engine.depth)  # read at scrape time, once the engine exists
 
     def on_finish(job: Job, event: dict) -> None:
-        metrics = state["metrics"]
         if event["type"] == "done":
             metrics.requests.labels("ok").inc()
             metrics.completion_tokens.inc(event["usage"]["completion_tokens"])
@@ -65,8 +63,6 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
             metrics.requests.labels(str(event.get("status", 500))).inc()
 
     engine = Engine(target, tenants, max_queue=config.max_queue, on_finish=on_finish)
-    metrics = Metrics(lambda: engine.depth)
-    state["metrics"] = metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
