@@ -13,8 +13,10 @@ TINY_MODELS = ["tiny-llama", "tiny-qwen2.5-vl", "tiny-llava-next"]
 
 
 @functools.cache
-def load_target(name: str, dtype: str = "float32") -> recap.TargetModel:
-    return recap.load(name, dtype=dtype)
+def load_target(name: str, dtype: str = "float32", kernels: str = "auto") -> recap.TargetModel:
+    """Default kernels: the fast path on these CPU models (lossless against plain decoding on
+    the same kernels); ``stock`` for tests of transformers' own forward."""
+    return recap.load(name, dtype=dtype, kernels=kernels)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -26,6 +28,11 @@ def _one_thread():
 @pytest.fixture(params=TINY_MODELS)
 def tiny_target(request) -> recap.TargetModel:
     return load_target(request.param)
+
+
+@pytest.fixture(params=TINY_MODELS)
+def tiny_stock_target(request) -> recap.TargetModel:
+    return load_target(request.param, kernels="stock")
 
 
 @pytest.fixture

@@ -34,9 +34,9 @@ def test_leaving_early_frees_the_cache_and_ends_the_request(tiny_llama):
     steps = iter(decoding)
     next(steps)
     next(steps)
-    assert tiny_llama.cache is not None
+    assert tiny_llama.holds_cache
     steps.close()  # what a cancelled request does
-    assert tiny_llama.cache is None
+    assert not tiny_llama.holds_cache
     assert len(decoding.result.tokens) >= 2 and decoding.result.total_s > 0
     # the stream goes on normally afterwards
     assert decode(tiny_llama, proposer, tiny_llama.prepare("Hello"), max_new_tokens=4).tokens

@@ -12,6 +12,7 @@ from recap.core import ROOT, VerifiedTree
 from recap.proposers import DecoyDrafter, make_proposer
 from recap.target import QwenVLTarget
 from tests.broken_verifiers import first_child_walk
+from tests.conftest import load_target
 
 
 class RecordingDecoy(DecoyDrafter):
@@ -71,9 +72,25 @@ def test_lossless_on_real_smollm2(smollm2, method):
 
 
 # ----------------------------------------------------------------------------- negative controls
-def test_siblings_seeing_each_other_is_detected(tiny_llama, monkeypatch):
+def test_siblings_seeing_each_other_is_detected(monkeypatch):
     """A causal mask over the packed tree lets each node see earlier siblings' branches."""
     monkeypatch.setattr(target_base, "tree_attention_mask", _leaky(target_base.tree_attention_mask))
+    report = run_check(load_target("tiny-llama", kernels="stock"), DecoyDrafter(seed=5), prompts=8,
+                       max_new_tokens=32, seed=5)
+    assert report.failed > 0
+
+
+def test_siblings_seeing_each_other_is_detected_on_fast_kernels(tiny_llama, monkeypatch):
+    """The fast path's version of the leak: every packed node attends to all earlier ones."""
+    from recap.core import DraftTree
+
+    def causal_lists(tree):
+        n = len(tree) + 1
+        starts = np.array([i * (i + 1) // 2 for i in range(n + 1)], dtype=np.int64)
+        return starts, np.concatenate([np.arange(i + 1) for i in range(n)]).astype(np.int64)
+
+    assert tiny_llama.kernels == "fast"
+    monkeypatch.setattr(DraftTree, "ancestor_lists", causal_lists)
     report = run_check(tiny_llama, DecoyDrafter(seed=5), prompts=8, max_new_tokens=32, seed=5)
     assert report.failed > 0
 
@@ -85,7 +102,13 @@ def _leaky(real_mask):
     return leaky_mask
 
 
-def test_positions_without_mrope_delta_are_detected(tiny_qwen, monkeypatch):
+@pytest.mark.parametrize("kernels", ["stock", "fast"])
+def test_positions_without_mrope_delta_are_detected(kernels, monkeypatch):
+    """On stock, against generate; on fast, plain decoding shares the wrong offset, so the
+    check is agreement with stock generate, which computes its own positions."""
+    from recap.prompts import check_prompts
+
+    target = load_target("tiny-qwen2.5-vl", kernels=kernels)
     original = QwenVLTarget._prefill_positions
 
     def without_delta(self, inputs):
@@ -94,8 +117,15 @@ def test_positions_without_mrope_delta_are_detected(tiny_qwen, monkeypatch):
         return positions
 
     monkeypatch.setattr(QwenVLTarget, "_prefill_positions", without_delta)
-    report = run_check(tiny_qwen, DecoyDrafter(seed=6), prompts=8, max_new_tokens=32, seed=6)
-    assert report.failed > 0
+    if kernels == "stock":
+        report = run_check(target, DecoyDrafter(seed=6), prompts=8, max_new_tokens=32, seed=6)
+        assert report.failed > 0
+        return
+    differing = 0
+    for prompt, image in check_prompts(8, images=True):
+        inputs = target.prepare(prompt, image)
+        differing += target.reference_generate(inputs, 24) != target.stock_generate(inputs, 24)
+    assert differing > 0
 
 
 def test_accepting_the_first_child_is_detected(tiny_llama, monkeypatch):

@@ -40,7 +40,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--row-size", type=_positive, default=8,
                         help="Top-K row size the target reports to proposers (default 8)")
     _cost_option(parser)
+    _kernels_option(parser)
     _sampling_options(parser)
+
+
+def _kernels_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kernels", choices=["auto", "fast", "stock"], default="auto",
+                        help="decode/verify steps: fast (the project's batch-invariant CPU kernels), stock "
+                             "(transformers' forward); auto (default): fast on CPU where the model is supported")
 
 
 def _sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -144,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="RECAP memory for the recap+memory column: auto (the demo VLM's shipped memory of "
                            "earlier requests), none, or a file")
     _cost_option(demo)
+    _kernels_option(demo)
     _add_bench(commands)
     _add_calibrate(commands)
     _add_demo_vlm_data(commands)
@@ -199,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.budget is not None and args.budget < 0:
             raise InputError(f"--budget cannot be negative, got {args.budget}")
         return run_demo(args.model, methods, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
-                        budget=args.budget, out=args.out, cost_profile=args.cost_profile, memory=args.memory)
+                        budget=args.budget, out=args.out, cost_profile=args.cost_profile, memory=args.memory,
+                        kernels=args.kernels)
     except InputError as error:
         print(f"recap: error: {error}", file=sys.stderr)
         return 2
@@ -243,7 +252,7 @@ def _generate(args: argparse.Namespace) -> int:
     image = load_image(args.image) if args.image else None
     proposer = _make_method(args)
     sampling = _sampling(args, args.seed)
-    target = load(args.model, dtype=args.dtype, top_k=args.row_size)
+    target = load(args.model, dtype=args.dtype, top_k=args.row_size, kernels=args.kernels)
     target.use_cost_profile(args.cost_profile)
     if image is not None and not target.accepts_images:
         raise InputError(f"{args.model} is a text-only model: it cannot take an image")
@@ -288,7 +297,7 @@ def _check(args: argparse.Namespace) -> int:
 
     proposer = _make_method(args)
     sampling = _sampling(args, None)
-    target = load(args.model, dtype=args.dtype, top_k=args.row_size)
+    target = load(args.model, dtype=args.dtype, top_k=args.row_size, kernels=args.kernels)
     target.use_cost_profile(args.cost_profile)
     _note_text_only(args, target)
     if sampling is not None:
@@ -366,7 +375,10 @@ def _add_bench(commands) -> None:
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up decode of each method")
     bench.add_argument("--report-only", action="store_true",
                        help="only rewrite summary.json, report.md and the plots from --out's results")
+    bench.add_argument("--reference", choices=["stock"], default=None,
+                       help="stock: also run plain AR on stock transformers (row ar-stock), paired in the same run")
     _cost_option(bench)
+    _kernels_option(bench)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -395,7 +407,7 @@ def _bench(args: argparse.Namespace) -> int:
                          dtype=args.dtype, threads=args.threads, max_new_tokens=args.max_new_tokens,
                          seed=args.seed, out=Path(args.out), warmup=not args.no_warmup,
                          cost_profile=args.cost_profile, temperature=args.temperature or None, top_k=args.top_k,
-                         top_p=args.top_p)
+                         top_p=args.top_p, kernels=args.kernels, reference=args.reference)
     if args.temperature:
         _sampling(args, 0)  # bad values are reported now, not at the first unit
     run = run_bench(config, console=console)
@@ -428,6 +440,7 @@ def _add_calibrate(commands) -> None:
     calibrate.add_argument("--quick", action="store_true", help="fewer sizes and repeats (what auto measures)")
     calibrate.add_argument("--out", default=None, metavar="FILE", help="also write the profile to FILE")
     calibrate.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    _kernels_option(calibrate)
 
 
 def _calibrate(args: argparse.Namespace) -> int:
@@ -445,7 +458,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise InputError(f"unknown --device {args.device!r}: {str(error).splitlines()[0]}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: this torch build or machine has no CUDA device")
-    target = load(args.model, dtype=args.dtype, device=args.device)
+    target = load(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
     started = time.perf_counter()
     with Progress(transient=True, disable=args.json) as progress:
         task = progress.add_task(f"verify cost of {args.model}", total=None)
@@ -463,7 +476,8 @@ def _calibrate(args: argparse.Namespace) -> int:
         return 0
     key = profile.key
     gpu = f" {key['gpu']}" if key["gpu"] else ""
-    print(f"verify cost of {args.model} ({key['dtype']}, {key['threads']} thread(s), {key['device']}{gpu}, "
+    print(f"verify cost of {args.model} ({key['dtype']}, {key.get('kernels', 'stock')} kernels, "
+          f"{key['threads']} thread(s), {key['device']}{gpu}, "
           f"{key['cpu']}), measured in {seconds:.1f} s")
     contexts = [int(c) for c in profile.contexts]
     print(f"{'N':>5}" + "".join(f"{f'ms @L={c}':>13}{f'x1 @L={c}':>12}" for c in contexts))
@@ -520,6 +534,7 @@ def _add_serve(commands) -> None:
     serve.add_argument("--method", choices=[m for m in PROPOSERS if m not in ("decoy", "random")], default="recap")
     serve.add_argument("--dtype", choices=list(DTYPES), default="float32")
     serve.add_argument("--threads", type=_positive, default=None, help="torch CPU threads (default: torch's)")
+    _kernels_option(serve)
     serve.add_argument("--memory-dir", default=None, metavar="DIR",
                        help="keep each tenant's drafting memory in DIR/<tenant>.safetensors across restarts")
     serve.add_argument("--memory-rows", type=_positive, default=16384,
@@ -556,7 +571,7 @@ def _serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be in 0-65535, got {args.port}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    target = load(args.model, dtype=args.dtype)
+    target = load(args.model, dtype=args.dtype, kernels=args.kernels)
     target.use_cost_profile(args.cost_profile)
     name = args.model if args.model in BUILTIN else os.path.basename(os.path.normpath(args.model))
     config = ServerConfig(model_name=name, method=args.method, api_keys=keys, memory_dir=args.memory_dir,

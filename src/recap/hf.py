@@ -41,8 +41,11 @@ DROPPED = ("cache", "past_key_values", "use_cache", "logits_to_keep", "cache_pos
 class RecapGenerate:
     """The callable handed to ``model.generate(custom_generate=...)``; one drafting stream."""
 
-    def __init__(self, method: str | Proposer = "recap", **options):
+    def __init__(self, method: str | Proposer = "recap", *, kernels: str = "auto", **options):
         self.proposer = make_proposer(method, **options) if isinstance(method, str) else method
+        self.kernels = kernels
+        """Decode-step path (`TargetModel.use_kernels`): ``stock`` reproduces ``generate``
+        token for token; ``fast`` (auto on supported CPU models) agrees with it up to near-ties."""
         self._targets: dict[int, TargetModel] = {}
         self.last = None
         """The `GenerationResult` of the latest call (tau, iterations, timings)."""
@@ -106,7 +109,7 @@ class RecapGenerate:
     def _target(self, model) -> TargetModel:
         key = id(model)
         if key not in self._targets:
-            self._targets[key] = wrap(model, None)
+            self._targets[key] = wrap(model, None, kernels=self.kernels)
         return self._targets[key]
 
 
@@ -125,8 +128,8 @@ def _generate_streamer():
         del frame
 
 
-def custom_generate(method: str | Proposer = "recap", **options) -> RecapGenerate:
+def custom_generate(method: str | Proposer = "recap", *, kernels: str = "auto", **options) -> RecapGenerate:
     """A callable for ``model.generate(custom_generate=...)`` drafting with ``method`` (a
     name, with proposer ``options``, or a proposer object). Keep it across calls: it is one
     stream, and it learns from each request."""
-    return RecapGenerate(method, **options)
+    return RecapGenerate(method, kernels=kernels, **options)

@@ -49,14 +49,16 @@ def cache_dir() -> Path:
 
 # --------------------------------------------------------------------------- public API
 def load(model: str | os.PathLike | tuple[Any, Any], *, dtype: str = "float32", device: str = "cpu",
-         top_k: int = 8) -> TargetModel:
-    """A ready `TargetModel` from a built-in name, a local model folder or (model, processor)."""
+         top_k: int = 8, kernels: str = "auto") -> TargetModel:
+    """A ready `TargetModel` from a built-in name, a local model folder or (model, processor).
+    ``kernels``: ``auto`` (the project's fast decode steps on CPU where the architecture is
+    supported, transformers' elsewhere), ``fast`` or ``stock``."""
     if isinstance(model, tuple):
         hf_model, processor = model
     else:
         hf_model, processor = load_pretrained(str(model), dtype=dtype)
     hf_model = hf_model.to(device)
-    return wrap(hf_model, processor, top_k=top_k)
+    return wrap(hf_model, processor, top_k=top_k, kernels=kernels)
 
 
 def load_pretrained(name: str, *, dtype: str = "float32") -> tuple[PreTrainedModel, Any]:

@@ -21,6 +21,9 @@ from collections.abc import Iterable, Sequence
 from recap.bench.calibration import method_calibration
 
 REFERENCE = "ar"
+STOCK_REFERENCE = "ar-stock"
+"""Plain AR on stock transformers (``--reference stock``): its outputs are compared with AR's
+for agreement only, since on the fast kernels near-ties may round the other way."""
 
 
 def throughput(row: dict) -> float:

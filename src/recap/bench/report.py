@@ -16,7 +16,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
-from recap.bench.metrics import REFERENCE, summarise_method
+from recap.bench.metrics import REFERENCE, STOCK_REFERENCE, summarise_method
 from recap.bench.results import RESULTS, write_json_atomic
 from recap.bench.runner import ROTATION, WARMUP, latest_rows
 
@@ -56,6 +56,7 @@ def build_summary(rows: Sequence[dict], record: dict) -> dict:
         "machine": last.get("machine"),
         "versions": last.get("versions"),
         "threads_pinned": last.get("threads"),
+        "kernels": last.get("kernels", "stock"),
         "sessions": [{key: session.get(key) for key in ("started", "units_done_before", "units_run", "wall_s",
                                                        "interrupted")} for session in sessions],
         "units_selected": last.get("units_selected"),
@@ -69,7 +70,8 @@ def build_summary(rows: Sequence[dict], record: dict) -> dict:
         "inputs": len({row["item"] for row in reference}),
         "topics": {topic: sum(row["topic"] == topic for row in reference) for topic in topics},
         "complete": last.get("units_selected") is not None and len(reference) >= last["units_selected"],
-        "mismatches": sum(methods[label]["mismatches"] for label in labels if label != REFERENCE),
+        "mismatches": sum(methods[label]["mismatches"] for label in labels
+                          if label not in (REFERENCE, STOCK_REFERENCE)),
         "methods": methods,
     }
 
@@ -127,7 +129,8 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
     drafters = [label for label in methods if label != REFERENCE]
     topics = list(summary["topics"])
     exact = run.get("dtype") == "float32"
-    lines = [f"# recap bench: {run.get('model')}, {run.get('dtype')}, {run.get('threads_pinned')} thread(s)", ""]
+    lines = [f"# recap bench: {run.get('model')}, {run.get('dtype')}, {run.get('kernels', 'stock')} kernels, "
+             f"{run.get('threads_pinned')} thread(s)", ""]
     if summary["mismatches"]:
         lines += [f"> **MISMATCH: {summary['mismatches']} output(s) differ from AR.**"
                   + (" In float32 this breaks losslessness: treat it as a bug." if exact else
@@ -135,7 +138,7 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
                      "near-ties can flip; these are counted, not claimed exact."), ">"]
         for label in drafters:
             bad = methods[label]["mismatched_units"]
-            if bad:
+            if bad and label != STOCK_REFERENCE:
                 shown = ", ".join(f"{m['unit']} (token {m['first_difference']})" for m in bad[:20])
                 lines.append(f"> - **{label}**: {len(bad)} of {methods[label]['units']} units differ: {shown}"
                              + (" ..." if len(bad) > 20 else ""))
@@ -143,6 +146,13 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
     else:
         lines += [f"Every output of every method is identical to AR's ({summary['units']} units x "
                   f"{len(drafters)} methods).", ""]
+    if STOCK_REFERENCE in methods:
+        stock = methods[STOCK_REFERENCE]
+        differ = ", ".join(f"{m['unit']} (token {m['first_difference']})" for m in stock["mismatched_units"][:20])
+        lines += [f"`{STOCK_REFERENCE}` is plain AR on stock transformers; `ar` and every method run on "
+                  f"the {run.get('kernels')} kernels. Agreement of stock with them (a rate, not an "
+                  f"exactness claim): {stock['units'] - stock['mismatches']} of {stock['units']} outputs identical"
+                  + (f"; differing: {differ}" if differ else "") + ".", ""]
     if not summary["complete"]:
         lines += [f"**Partial run**: {summary['units']} of {run.get('units_selected')} selected units finished; "
                   "rerun the same command to resume.", ""]

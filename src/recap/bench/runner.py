@@ -25,7 +25,7 @@ import torch
 from recap.bench import calibration
 from recap.bench import data as bench_data
 from recap.bench.environment import machine, versions
-from recap.bench.metrics import REFERENCE, first_difference, unit_tau
+from recap.bench.metrics import REFERENCE, STOCK_REFERENCE, first_difference, unit_tau
 from recap.bench.results import ResultsFile, check_settings, interrupts_held, write_json_atomic
 from recap.bench.streams import MethodSpec, StreamCheckpoints, is_stateful, parse_methods
 from recap.decoding import GenerationResult, decode
@@ -69,6 +69,11 @@ class BenchConfig:
     so their outputs are still identical token for token (`recap.target.sampling`)."""
     top_k: int | None = None
     top_p: float | None = None
+    kernels: str = "auto"
+    """The target's decode-step path (`TargetModel.use_kernels`) for every method."""
+    reference: str | None = None
+    """``stock``: also run plain AR on stock transformers (``ar-stock``), paired in the run,
+    compared with AR for agreement only (on fast kernels near-ties may differ)."""
 
     def sampling(self, unit_key: str):
         """The unit's sampling settings (None: greedy)."""
@@ -134,6 +139,10 @@ class Bench:
         self.console = console
         self.show_progress = progress
         self.specs: list[MethodSpec] = parse_methods(config.methods, tuple(default_methods().split(",")))
+        if config.reference not in (None, "stock"):
+            raise InputError(f"--reference takes stock, got {config.reference!r}")
+        if config.reference == "stock":
+            self.specs.insert(1, MethodSpec(STOCK_REFERENCE, "ar", kernels="stock"))
         self.labels = [spec.label for spec in self.specs]
         if config.max_new_tokens < 1:
             raise InputError(f"--max-new-tokens must be at least 1, got {config.max_new_tokens}")
@@ -155,6 +164,7 @@ class Bench:
                 "data": str(self.data_path), "system_prompt": self.config.system_prompt,
                 "cpu": machine()["cpu"], "warmup": self.config.warmup, "cost_profile": self._cost_spec(),
                 **({"device": self.config.device} if self.config.device != "cpu" else {}),
+                **({"kernels": self.config.kernels} if self.config.kernels != "auto" else {}),
                 **({"sampling": {"temperature": self.config.temperature, "top_k": self.config.top_k,
                                  "top_p": self.config.top_p}} if self.config.temperature else {})}
 
@@ -167,8 +177,24 @@ class Bench:
         if self.target is None:
             from recap.models import load
 
-            self.target = load(self.config.model, dtype=self.config.dtype, device=self.config.device)
+            self.target = load(self.config.model, dtype=self.config.dtype, device=self.config.device,
+                               kernels=self.config.kernels)
+        else:
+            self.target.use_kernels(self.config.kernels)
+        self.kernels = self.target.kernels
         return self.target
+
+    @contextlib.contextmanager
+    def _kernels_for(self, spec: MethodSpec):
+        """The target on ``spec``'s step path for one decode (untimed switch), then back."""
+        if spec.kernels is None or spec.kernels == self.kernels:
+            yield
+            return
+        self.target.use_kernels(spec.kernels)
+        try:
+            yield
+        finally:
+            self.target.use_kernels(self.kernels)
 
     # ----------------------------------------------------------------- run
     def run(self) -> BenchRun:
@@ -186,7 +212,7 @@ class Bench:
             bench_data.check_images(self.items)
         done = latest_rows(rows)
         pending = [u for u in self.units if not all((u.key, label) in done for label in self.labels)]
-        session = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        session = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "kernels": target.kernels,
                    "units_done_before": len(self.units) - len(pending), "units_selected": len(self.units),
                    "machine": machine(), "versions": versions(), "threads": torch.get_num_threads(),
                    "stream_events": []}
@@ -248,7 +274,8 @@ class Bench:
         inputs, _ = self._prepare(self.units[0], [])
         for spec in self.specs:
             advance(f"warm-up {spec.label}", 0)
-            decode(self.target, spec.make(), inputs, max_new_tokens=min(self.config.max_new_tokens, WARMUP_TOKENS))
+            with self._kernels_for(spec):
+                decode(self.target, spec.make(), inputs, max_new_tokens=min(self.config.max_new_tokens, WARMUP_TOKENS))
             advance(f"warm-up {spec.label}")
 
     def _run_units(self, pending, done, rows, session, advance, run: BenchRun) -> None:
@@ -290,12 +317,15 @@ class Bench:
         order = rotation(self.labels, self.config.seed, unit.key)
         results: dict[str, GenerationResult] = {}
         extra: dict[str, dict] = {}
+        specs = {spec.label: spec for spec in self.specs}
         for label in order:
             advance(f"{unit.topic} {unit.key} [bold]{label}[/]", 0)
             gc.collect()  # untimed: keep collector pauses out of the timed decode
             before = calibration.snapshot(streams[label])
-            results[label] = decode(self.target, streams[label], inputs, max_new_tokens=self.config.max_new_tokens,
-                                    sampling=self.config.sampling(unit.key))
+            with self._kernels_for(specs[label]):
+                results[label] = decode(self.target, streams[label], inputs,
+                                        max_new_tokens=self.config.max_new_tokens,
+                                        sampling=self.config.sampling(unit.key))
             extra[label] = calibration.unit_fields(streams[label], before)  # untimed
             advance(f"{unit.topic} {unit.key} [bold]{label}[/]")
         reference = results[REFERENCE].tokens

@@ -34,6 +34,8 @@ class MethodSpec:
     label: str
     name: str
     options: dict = field(default_factory=dict)
+    kernels: str | None = None
+    """The target's step path for this method (``stock`` for ar-stock); None: the run's."""
 
     def make(self) -> Proposer:
         try:

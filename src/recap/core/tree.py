@@ -95,6 +95,23 @@ class DraftTree:
         bits = np.unpackbits(packed.reshape(n + 1, width), axis=1, bitorder="little")
         return np.ascontiguousarray(bits[:, : n + 1]).view(bool)
 
+    def ancestor_lists(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each packed position's path, root first and itself last, as CSR arrays:
+        ``paths[starts[a]:starts[a + 1]]`` for packed position a (the root's path is [0]).
+        What the project's own tree attention reads instead of a mask (`recap.target.kernels`)."""
+        parents = self.parents.tolist()
+        lengths = [1] + [int(d) + 1 for d in self.depths.tolist()]
+        starts = np.zeros(len(parents) + 2, dtype=np.int64)
+        np.cumsum(lengths, out=starts[1:])
+        paths = np.empty(int(starts[-1]), dtype=np.int64)
+        paths[0] = 0
+        for i, parent in enumerate(parents):
+            begin, end = int(starts[i + 1]), int(starts[i + 2])
+            parent_begin = int(starts[parent + 1])
+            paths[begin:end - 1] = paths[parent_begin:parent_begin + end - 1 - begin]
+            paths[end - 1] = i + 1
+        return starts, paths
+
     def packed(self, root: int) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and depths in packed order: the root at 0 (depth 0), node i at i + 1."""
         n = len(self) + 1

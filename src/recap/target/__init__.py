@@ -23,13 +23,14 @@ FAMILIES: dict[str, type[TargetModel]] = {
 """``config.model_type`` -> adapter. Other decoder-only ``*ForCausalLM`` models use `TargetModel`."""
 
 
-def wrap(model: torch.nn.Module, processor: Any, *, top_k: int = 8) -> TargetModel:
-    """The adapter for an already loaded model and its processor (or tokenizer)."""
+def wrap(model: torch.nn.Module, processor: Any, *, top_k: int = 8, kernels: str = "auto") -> TargetModel:
+    """The adapter for an already loaded model and its processor (or tokenizer); ``kernels``
+    picks the decode-step path (`TargetModel.use_kernels`)."""
     model_type = getattr(model.config, "model_type", "")
     if model_type in FAMILIES:
-        return FAMILIES[model_type](model, processor, top_k=top_k)
+        return FAMILIES[model_type](model, processor, top_k=top_k, kernels=kernels)
     if type(model).__name__.endswith("ForCausalLM") and not getattr(model.config, "is_encoder_decoder", False):
-        return TargetModel(model, processor, top_k=top_k)
+        return TargetModel(model, processor, top_k=top_k, kernels=kernels)
     raise InputError(f"unsupported architecture {type(model).__name__} ({model_type or 'no model_type'}); "
                      f"supported: decoder-only *ForCausalLM models and {', '.join(sorted(FAMILIES))}")
 

@@ -51,7 +51,7 @@ class TargetModel:
     family = "causal-lm"
     accepts_images = False
 
-    def __init__(self, model: torch.nn.Module, processor: Any, *, top_k: int = 8):
+    def __init__(self, model: torch.nn.Module, processor: Any, *, top_k: int = 8, kernels: str = "auto"):
         self.model = model.eval()
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -70,6 +70,14 @@ class TargetModel:
         self.cost_profile: CostProfile | None = None
         """Verify-cost profile handed to cost-aware proposers; None: resolved on first use."""
         self._cost_key: dict | None = None
+        self.kernels = "stock"
+        """``fast``: decode and verify steps on the project's own kernels (`recap.target.kernels`);
+        ``stock``: transformers' forward. Set by `use_kernels`."""
+        self._fast: Any = None
+        self._kv: Any = None
+        self.last_logits: np.ndarray | None = None
+        """The fast path's logits (N, V) of the last verify (a reused buffer), for tests."""
+        self.use_kernels(kernels)
 
     # ----------------------------------------------------------------- family hooks
     def _image_token_ids(self) -> list[int]:
@@ -93,6 +101,25 @@ class TargetModel:
         return torch.arange(inputs.input_ids.shape[1], device=self.device)[None]
 
     # ----------------------------------------------------------------- public interface
+    def use_kernels(self, kernels: str = "auto") -> str:
+        """Choose the step path between requests: ``auto`` (``fast`` on CPU where the
+        architecture is supported, else ``stock``), ``fast`` (an error where unsupported) or
+        ``stock``. Returns the path now in use. The fast path reads the model's own weights
+        and is compiled and warmed here, once per target."""
+        from recap.target.kernels import KERNELS, FastDecoder, unsupported
+
+        if kernels not in KERNELS:
+            raise InputError(f"unknown kernels {kernels!r}; choose one of: {', '.join(KERNELS)}")
+        if kernels != "stock":
+            reason = unsupported(self.model)
+            if reason is not None and kernels == "fast":
+                raise InputError(f"--kernels fast does not support {self.name}: {reason}")
+            kernels = "stock" if reason is not None else "fast"
+        if kernels == "fast" and self._fast is None:
+            self._fast = FastDecoder(self.model)
+        self.kernels = kernels  # an automatic cost profile follows: the kernels are part of its key
+        return self.kernels
+
     @property
     def name(self) -> str:
         return getattr(self.model, "name_or_path", "") or type(self.model).__name__
@@ -165,6 +192,11 @@ class TargetModel:
         out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True, **extra)
         self.past_len = input_ids.shape[1]
         self._packed = 0
+        if self.kernels == "fast":
+            self._kv = self._fast.new_cache(self.past_len + 256)
+            self._kv.load([layer.keys[0].float().numpy() for layer in self.cache.layers],
+                          [layer.values[0].float().numpy() for layer in self.cache.layers], self.past_len)
+            self.cache = None
         ids, logits, argmax = self._top_rows(out.logits[0])
         first = int(argmax[-1]) if sampler is None else sampler.token(out.logits[0, -1], 0)
         prompt_ids = inputs.input_ids[0].numpy()
@@ -181,35 +213,72 @@ class TargetModel:
         """One forward over [root] + tree nodes, each seeing the prefix and its ancestors.
         Greedy by default; with ``sampler``, the sampling walk decides (``position``: the
         output position the root's row predicts)."""
-        if self.cache is None:
+        if self.cache is None and self._kv is None:
             raise RuntimeError("verify() before prefill()")
         tokens, depths = tree.packed(root)
-        capture = self._arm_capture(0)
-        out = self.model(
-            input_ids=torch.from_numpy(tokens).to(self.device)[None],
-            position_ids=tree_positions(depths, self.past_len, self.position_offset, self.device),
-            attention_mask=tree_attention_mask(tree.ancestor_matrix(), self.past_len, self.dtype, self.device),
-            cache=self.cache,
-            use_cache=True,
-        )
+        if self._kv is not None:
+            logits, image_attention = self._fast_verify(tokens, depths, tree)
+        else:
+            capture = self._arm_capture(0)
+            out = self.model(
+                input_ids=torch.from_numpy(tokens).to(self.device)[None],
+                position_ids=tree_positions(depths, self.past_len, self.position_offset, self.device),
+                attention_mask=tree_attention_mask(tree.ancestor_matrix(), self.past_len, self.dtype, self.device),
+                cache=self.cache,
+                use_cache=True,
+            )
+            logits = out.logits[0]
+            image_attention = capture.take() if capture is not None else None
         self._packed = len(tokens)
-        ids, logits, argmax = self._top_rows(out.logits[0])
+        ids, topk_logits, argmax = self._top_rows(logits)
         if sampler is None:
             accepted = tree.accept(argmax)
         else:
-            accepted, draws = sampler.walk(tree, out.logits[0], position)
+            accepted, draws = sampler.walk(tree, logits, position)
             for row, token in draws.items():
                 argmax[row] = token
-        return VerifiedTree(tree=tree, topk_ids=ids, topk_logits=logits, argmax=argmax, accepted=accepted,
-                            image_attention=capture.take() if capture is not None else None)
+        return VerifiedTree(tree=tree, topk_ids=ids, topk_logits=topk_logits, argmax=argmax, accepted=accepted,
+                            image_attention=image_attention)
+
+    def _fast_verify(self, tokens: np.ndarray, depths: np.ndarray,
+                     tree: DraftTree) -> tuple[torch.Tensor, float | None]:
+        """The packed forward on the fast path: logits (N, V) and, when SAM+ViSkip asked for it,
+        the root's final-layer attention mass on the image (same definition as the stock capture)."""
+        starts, paths = tree.ancestor_lists()
+        positions = depths + (self.past_len + self.position_offset)
+        logits = self._fast.forward(self._kv, tokens, positions, starts, paths)
+        self.last_logits = logits
+        capture = self._capture
+        image_attention = None
+        if capture is not None and capture.enabled and capture.positions is not None:
+            image_attention = self._fast.root_image_attention(self._kv, capture.positions.cpu().numpy())
+        return torch.from_numpy(logits), image_attention
 
     @torch.inference_mode()
     def commit(self, accepted: Sequence[int]) -> None:
         """Keep the root's and the accepted nodes' KV entries, drop the rest."""
         keep = [0] + [i + 1 for i in accepted]
+        if self._kv is not None:
+            self._kv.commit(keep)
+            self.past_len = self._kv.length
+            self._packed = 0
+            return
         compact_cache(self.cache, self.past_len, keep, self._packed)
         self.past_len += len(keep)
         self._packed = 0
+
+    @property
+    def holds_cache(self) -> bool:
+        """Whether a request's KV cache is held (stock or fast)."""
+        return self.cache is not None or self._kv is not None
+
+    def rollback(self, count: int) -> None:
+        """Forget the last ``count`` committed positions (profiling reuses one prefix)."""
+        if self._kv is not None:
+            self._kv.length -= count
+        else:
+            self.cache.crop(-count)
+        self.past_len -= count
 
     def verify_cost(self) -> CostProfile:
         """What verifying N tokens costs here: the profile set by `use_cost_profile`, else the
@@ -238,6 +307,7 @@ class TargetModel:
     def release(self) -> None:
         """Free the request's KV cache."""
         self.cache = None
+        self._kv = None
         if self._capture is not None:
             self._capture.arm(None, -1)
 
@@ -251,10 +321,23 @@ class TargetModel:
         return packed[:, :k].astype(np.int64), packed[:, k : 2 * k].astype(np.float32), \
             packed[:, 2 * k].astype(np.int64)
 
-    @torch.inference_mode()
     def reference_generate(self, inputs: ModelInputs, max_new_tokens: int,
                            eos_token_ids: Sequence[int] | None = None) -> list[int]:
-        """Plain greedy ``model.generate(do_sample=False)``: the output RECAP must reproduce.
+        """The greedy output every method must reproduce on this target's kernels: on
+        ``stock``, ``model.generate(do_sample=False)`` (`stock_generate`); on ``fast``, plain
+        one-token decoding on the same fast kernels (exact by construction, DESIGN.md 11)."""
+        if self.kernels == "stock":
+            return self.stock_generate(inputs, max_new_tokens, eos_token_ids)
+        from recap.decoding import decode
+        from recap.proposers import make_proposer
+
+        return decode(self, make_proposer("ar"), inputs, max_new_tokens=max_new_tokens,
+                      eos_token_ids=eos_token_ids).tokens
+
+    @torch.inference_mode()
+    def stock_generate(self, inputs: ModelInputs, max_new_tokens: int,
+                       eos_token_ids: Sequence[int] | None = None) -> list[int]:
+        """Plain greedy ``model.generate(do_sample=False)`` on stock transformers.
 
         A clean greedy config is used so that sampling-oriented defaults a checkpoint may
         carry (repetition penalty, top-k...) do not apply: RECAP reproduces argmax decoding.

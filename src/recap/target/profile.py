@@ -65,7 +65,8 @@ def profile_key(target: TargetModel) -> dict:
     device = target.device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return {"model": target.name, "params": sum(p.numel() for p in target.model.parameters()),
-            "dtype": str(target.dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "dtype": str(target.dtype).removeprefix("torch."),
+            "kernels": getattr(target, "kernels", "stock"), "threads": torch.get_num_threads(),
             "device": str(device), "gpu": gpu, "cpu": _cpu_model(), "torch": torch.__version__,
             "transformers": transformers.__version__, "version": PROFILE_VERSION}
 
@@ -158,8 +159,7 @@ def _time_step(target: TargetModel, root: int, tree: DraftTree) -> float:
     target.commit([])
     _synchronize(device)
     elapsed = time.perf_counter() - start
-    target.cache.crop(-1)  # commit kept the root's entry
-    target.past_len -= 1
+    target.rollback(1)  # commit kept the root's entry
     return elapsed
 
 

@@ -1,0 +1,188 @@
+"""The decoder step of the fast path: one forward over a packed tree (or one token) after a
+cached prefix, on the model's own weights, every row bit-identical to a plain one-token step.
+
+gpt-fast's shape: each block is a short composition (norm, qkv, rope, cache write, attend,
+out; norm, gate/up, down), over preallocated buffers of shape (Mp, width) where Mp is the
+step's row count padded for the linear kernel. Prefill stays on transformers; its K/V are
+copied into a `KVCache` once per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+from recap.target.kernels import ops
+from recap.target.kernels.args import DecoderArgs, language_model
+from recap.target.kernels.cache import KVCache
+from recap.target.kernels.linear import Linear, padded_rows
+
+
+def _weight(tensor: torch.Tensor) -> np.ndarray:
+    """The tensor's own storage as numpy (no copy): float32, or 16-bit floats as uint16 bits."""
+    tensor = tensor.detach()
+    if tensor.dtype == torch.float32:
+        return tensor.numpy()
+    return tensor.view(torch.int16).numpy().view(np.uint16)
+
+
+def _vector(tensor: torch.Tensor | None) -> np.ndarray | None:
+    """Small vectors (norm weights, biases) as float32 copies."""
+    return None if tensor is None else tensor.detach().float().numpy().copy()
+
+
+def _linear(module: torch.nn.Module) -> Linear:
+    return Linear(_weight(module.weight), _vector(getattr(module, "bias", None)),
+                  float16=module.weight.dtype == torch.float16)
+
+
+@dataclass
+class _Layer:
+    input_norm: np.ndarray
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    post_norm: np.ndarray
+    gate: Linear
+    up: Linear
+    down: Linear
+
+
+class _Buffers:
+    """Activations for steps of up to ``rows`` (padded) rows; rebuilt larger when needed."""
+
+    def __init__(self, args: DecoderArgs, rows: int):
+        self.rows = rows
+        q_width, kv_width = args.heads * args.head_dim, args.kv_heads * args.head_dim
+
+        def zeros(width: int) -> np.ndarray:
+            return np.zeros((rows, width), np.float32)
+
+        self.h, self.x, self.o = zeros(args.hidden), zeros(args.hidden), zeros(args.hidden)
+        self.q, self.attn = zeros(q_width), zeros(q_width)
+        self.k, self.v = zeros(kv_width), zeros(kv_width)
+        self.gate, self.up = zeros(args.intermediate), zeros(args.intermediate)
+        self.logits = zeros(args.vocab)
+
+
+class FastDecoder:
+    """Decode / verify steps for a supported model (`recap.target.kernels.unsupported`)."""
+
+    def __init__(self, model: torch.nn.Module, *, warm_rows: tuple[int, ...] = (1, 8)):
+        config = model.config.get_text_config(decoder=True)
+        self.args = args = DecoderArgs.from_hf(config)
+        decoder = language_model(model)
+        self._model = model
+        self._rotary = decoder.rotary_emb
+        self.embed = _weight(decoder.embed_tokens.weight)
+        self._embed_float16 = decoder.embed_tokens.weight.dtype == torch.float16
+        self.layers = []
+        for layer in decoder.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.layers.append(_Layer(
+                input_norm=_vector(layer.input_layernorm.weight), q=_linear(attn.q_proj), k=_linear(attn.k_proj),
+                v=_linear(attn.v_proj), o=_linear(attn.o_proj),
+                post_norm=_vector(layer.post_attention_layernorm.weight),
+                gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj)))
+        self.norm = _vector(decoder.norm.weight)
+        self.head = _linear(model.get_output_embeddings())
+        self.eps = float(getattr(decoder.norm, "variance_epsilon", args.eps))
+        self.scale = float(getattr(decoder.layers[0].self_attn, "scaling", args.head_dim ** -0.5))
+        self._cos = self._sin = np.zeros((0, args.head_dim), np.float32)
+        self._buffers = _Buffers(args, padded_rows(max(warm_rows)))
+        self._warm(warm_rows)
+
+    # ------------------------------------------------------------------ set-up
+    def _rope_tables(self, positions: int) -> None:
+        """cos/sin for positions [0, positions), from the model's own rotary module (float32)."""
+        if positions <= len(self._cos):
+            return
+        size = max(positions, 2 * len(self._cos), 256)
+        ids = torch.arange(size)[None]
+        with torch.inference_mode():
+            cos, sin = self._rotary(torch.zeros(1, dtype=torch.float32), ids)
+        if cos.ndim == 4:  # (3, 1, P, D): M-RoPE sections; a text token's three coordinates are equal
+            cos, sin = cos[0], sin[0]
+        self._cos = np.ascontiguousarray(cos[0].float().numpy())
+        self._sin = np.ascontiguousarray(sin[0].float().numpy())
+
+    def _warm(self, rows: tuple[int, ...]) -> None:
+        """Compile (or load from numba's cache) and run every kernel once, outside any timed step.
+
+        Starting numba's OpenMP pool resets the process's OpenMP thread count, which torch
+        reads as its own: the caller's torch setting is put back, so it is never changed."""
+        threads = torch.get_num_threads()
+        try:
+            cache = self.new_cache(max(rows) + 1)
+            for m in rows:
+                starts = np.arange(m + 1, dtype=np.int64)
+                self.forward(cache, np.zeros(m, np.int64), np.arange(m, dtype=np.int64), starts,
+                             np.arange(m, dtype=np.int64))
+        finally:
+            torch.set_num_threads(threads)
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.args, capacity)
+
+    # ------------------------------------------------------------------ the step
+    def _embed(self, tokens: np.ndarray, out: np.ndarray) -> None:
+        rows = self.embed[tokens]
+        if rows.dtype == np.float32:
+            out[: len(tokens)] = rows
+        elif self._embed_float16:
+            out[: len(tokens)] = rows.view(np.float16).astype(np.float32)
+        else:
+            out[: len(tokens)] = (rows.astype(np.uint32) << 16).view(np.float32)
+
+    def forward(self, cache: KVCache, tokens: np.ndarray, positions: np.ndarray, starts: np.ndarray,
+                paths: np.ndarray) -> np.ndarray:
+        """Logits (M, V) of ``tokens`` (M,) at RoPE ``positions`` (M,); packed node i attends to
+        the cache's prefix and to ``paths[starts[i]:starts[i+1]]`` (packed indices, root first,
+        itself last). Their K/V are written at slots cache.length + i; `KVCache.commit` keeps
+        the accepted ones. The returned array is a view into a reused buffer."""
+        m = len(tokens)
+        rows = padded_rows(m)
+        if rows > self._buffers.rows:
+            self._buffers = _Buffers(self.args, rows)
+        self._rope_tables(int(positions.max()) + 1)
+        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        cache.reserve(m)
+        b, args, past, eps = self._buffers, self.args, cache.length, self.eps
+        self._embed(tokens, b.h)
+        for index, layer in enumerate(self.layers):
+            ops.rms_norm(b.h, layer.input_norm, eps, b.x, m)
+            layer.q(b.x, b.q, rows)
+            layer.k(b.x, b.k, rows)
+            layer.v(b.x, b.v, rows)
+            ops.rope(b.q, args.heads, self._cos, self._sin, positions, m)
+            ops.rope(b.k, args.kv_heads, self._cos, self._sin, positions, m)
+            keys, values = cache.keys[index], cache.values[index]
+            ops.write_cache(b.k, keys, past, args.kv_heads, m)
+            ops.write_cache(b.v, values, past, args.kv_heads, m)
+            ops.tree_attention(b.q, keys, values, past, starts, paths, self.scale, b.attn, m)
+            layer.o(b.attn, b.o, rows)
+            b.h[:m] += b.o[:m]
+            ops.rms_norm(b.h, layer.post_norm, eps, b.x, m)
+            layer.gate(b.x, b.gate, rows)
+            layer.up(b.x, b.up, rows)
+            ops.silu_mul(b.gate, b.up, m)
+            layer.down(b.gate, b.o, rows)
+            b.h[:m] += b.o[:m]
+        ops.rms_norm(b.h, self.norm, eps, b.x, m)
+        self.head(b.x, b.logits, rows)
+        return b.logits[:m]
+
+    def root_image_attention(self, cache: KVCache, image_positions: np.ndarray) -> float:
+        """SAM+ViSkip's gate after a step: the final layer's softmax attention of packed row 0
+        (the root, which sees the prefix and itself), averaged over heads, summed over the
+        image positions (float32 scores, as the stock capture computes them)."""
+        args = self.args
+        q = torch.from_numpy(self._buffers.q[0].reshape(args.heads, args.head_dim))  # final layer's, after RoPE
+        keys = torch.from_numpy(cache.keys[-1][:, : cache.length + 1])             # (H_kv, past + 1, D)
+        keys = keys.repeat_interleave(args.heads // args.kv_heads, dim=0)
+        probs = torch.softmax(torch.einsum("hd,hsd->hs", q, keys) * self.scale, dim=-1)
+        return float(probs[:, torch.from_numpy(image_positions)].sum(dim=-1).mean())

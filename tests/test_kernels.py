@@ -1,0 +1,173 @@
+"""The fast step path (`recap.target.kernels`): batch-invariant by construction, tested bit
+for bit. A packed verify's logits at every node equal those of plain one-token steps along
+that node's path; the linear kernel's rows never depend on their neighbours; a kernel whose
+arithmetic depends on the row count is caught. Agreement with stock transformers is checked
+as closeness, never as exactness."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import recap
+from recap.core import DraftTree
+from recap.errors import InputError
+from recap.target.kernels import linear as kernel_linear
+from recap.target.kernels import unsupported
+from recap.target.kernels.linear import FLOAT16_TABLE, Linear, padded_rows
+from recap.target.profile import profile_key
+from tests.conftest import TINY_MODELS, load_target
+
+
+def _random_tree(rng: np.random.Generator, size: int, vocab: int) -> DraftTree:
+    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, size)]
+    return DraftTree(rng.integers(0, vocab, size), parents)
+
+
+def _prompt(target, text: str = "Tell me about the sea and the ships on it"):
+    return target.prepare(text)
+
+
+def mismatched_nodes(target, tree: DraftTree, root: int = 42) -> int:
+    """Packed positions whose logits in one verify of ``tree`` differ (any bit) from a plain
+    one-token step at the end of the same path."""
+    inputs = _prompt(target)
+    target.prefill(inputs)
+    target.verify(root, tree)
+    packed = target.last_logits.copy()
+    target.release()
+    starts, paths = tree.ancestor_lists()
+    tokens, _ = tree.packed(root)
+    differing = 0
+    for position in range(len(tokens)):
+        target.prefill(inputs)
+        for node in paths[starts[position]:starts[position + 1]]:
+            target.verify(int(tokens[node]), DraftTree.empty())
+            target.commit([])
+        plain = target.last_logits[0]
+        differing += not np.array_equal(plain, packed[position])
+        target.release()
+    return differing
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_packed_verify_is_bit_identical_to_plain_steps(name):
+    target = load_target(name)
+    assert target.kernels == "fast"
+    tree = _random_tree(np.random.default_rng(0), 24, 1000)
+    assert tree.max_depth >= 4
+    assert mismatched_nodes(target, tree) == 0
+
+
+@pytest.mark.slow
+def test_packed_verify_is_bit_identical_on_smollm2(smollm2):
+    assert smollm2.kernels == "fast"
+    assert mismatched_nodes(smollm2, _random_tree(np.random.default_rng(1), 12, 5000)) == 0
+
+
+def test_row_count_dependent_kernel_is_caught(monkeypatch):
+    """Negative control: a linear layer that accumulates differently once a step has more
+    than 4 rows (float64, then rounded) must break the bit-for-bit comparison."""
+    target = load_target("tiny-llama")
+    real = Linear.__call__
+
+    def m_dependent(self, x, out, rows):
+        if rows <= 4:
+            return real(self, x, out, rows)
+        weight = self.weight.astype(np.float64)
+        out[:rows] = (x[:rows].astype(np.float64) @ weight.T + (self.bias if self.bias.size else 0)).astype(
+            np.float32)
+        return out
+
+    monkeypatch.setattr(Linear, "__call__", m_dependent)
+    assert mismatched_nodes(target, _random_tree(np.random.default_rng(0), 12, 1000)) > 0
+
+
+# ----------------------------------------------------------------------------- the linear kernel
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 70), out_features=st.integers(1, 37), in_features=st.integers(1, 90),
+       dtype=st.sampled_from(["float32", "bfloat16", "float16"]), bias=st.booleans(), seed=st.integers(0, 99))
+def test_linear_rows_do_not_depend_on_their_neighbours(rows, out_features, in_features, dtype, bias, seed):
+    rng = np.random.default_rng(seed)
+    weight = torch.from_numpy(rng.standard_normal((out_features, in_features), dtype=np.float32)).to(
+        getattr(torch, dtype))
+    bits = weight.numpy() if dtype == "float32" else weight.view(torch.int16).numpy().view(np.uint16)
+    layer = Linear(bits, rng.standard_normal(out_features).astype(np.float32) if bias else None,
+                   float16=dtype == "float16")
+    x = np.zeros((padded_rows(rows), in_features), np.float32)
+    x[:rows] = rng.standard_normal((rows, in_features), dtype=np.float32)
+    out = layer(x, np.zeros((len(x), out_features), np.float32), len(x))
+    for row in range(rows):
+        single = np.zeros((4, in_features), np.float32)
+        single[row % 4] = x[row]  # any slot of the 4-row block
+        alone = layer(single, np.zeros((4, out_features), np.float32), 4)[row % 4]
+        assert np.array_equal(alone, out[row])
+    expected = x[:rows].astype(np.float64) @ weight.double().numpy().T + (layer.bias if bias else 0)
+    np.testing.assert_allclose(out[:rows], expected, rtol=1e-4, atol=1e-4 * in_features)
+
+
+def test_float16_table_is_exact():
+    patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    finite = np.isfinite(patterns.view(np.float16))
+    assert np.array_equal(FLOAT16_TABLE[finite], patterns.view(np.float16)[finite].astype(np.float32))
+    assert kernel_linear.ROW_BLOCK == 4 and padded_rows(1) == 4 and padded_rows(5) == 8
+
+
+# ----------------------------------------------------------------------------- against stock
+@pytest.mark.parametrize("name", TINY_MODELS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fast_logits_agree_closely_with_stock(name, dtype):
+    """Not exactness: the same numbers up to float rounding (a wrong RoPE, bias or mask
+    would be far off)."""
+    target = load_target(name, dtype)
+    inputs = _prompt(target)
+    tree = _random_tree(np.random.default_rng(2), 10, 1000)
+    rows = {}
+    for kernels in ("stock", "fast"):
+        target.use_kernels(kernels)
+        target.prefill(inputs)
+        step = target.verify(7, tree)
+        rows[kernels] = step.topk_logits
+        target.release()
+    target.use_kernels("auto")
+    scale = np.abs(rows["stock"]).max()
+    tolerance = 1e-4 if dtype == "float32" else 0.05
+    assert np.abs(rows["fast"] - rows["stock"]).max() <= tolerance * scale
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_fast_greedy_output_agrees_with_generate_on_tiny_models(name):
+    """The tiny models' logits are far apart, so here the two paths agree on every token."""
+    target = load_target(name)
+    inputs = _prompt(target, "Write a story about a cat")
+    assert target.kernels == "fast"
+    assert target.reference_generate(inputs, 24) == target.stock_generate(inputs, 24)
+
+
+def test_kernel_selection_and_errors():
+    target = recap.load("tiny-llama", kernels="stock")
+    assert target.kernels == "stock" and target._fast is None
+    assert target.use_kernels("fast") == "fast"
+    fast_key = profile_key(target)
+    assert target.use_kernels("stock") == "stock"
+    assert profile_key(target) != fast_key and fast_key["kernels"] == "fast"
+    with pytest.raises(InputError, match="unknown kernels"):
+        target.use_kernels("turbo")
+    from transformers import MistralConfig, MistralForCausalLM
+
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                               sliding_window=16))
+    assert "mistral" in unsupported(mistral)
+    wrapped = recap.target.wrap(mistral, target.tokenizer)
+    assert wrapped.kernels == "stock"
+    with pytest.raises(InputError, match="--kernels fast does not support"):
+        wrapped.use_kernels("fast")
+
+
+def test_ancestor_lists_follow_paths():
+    tree = DraftTree([5, 6, 7, 8], [-1, 0, -1, 1])
+    starts, paths = tree.ancestor_lists()
+    got = [paths[starts[i]:starts[i + 1]].tolist() for i in range(len(tree) + 1)]
+    assert got == [[0], [0, 1], [0, 1, 2], [0, 3], [0, 1, 2, 4]]
