@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 DEFAULT_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 """Packed-token counts measured by `recap calibrate` (root included)."""
 

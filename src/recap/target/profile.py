@@ -41,6 +41,10 @@ if TYPE_CHECKING:
 DEFAULT_CONTEXTS = (128, 1024)
 """Context lengths measured: two, so the growth of t(N) with the cached prefix is known."""
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64)
+FAST_SIZES = (1, 2, 4, 5, 8, 9, 12, 13, 16, 17, 24, 25, 32, 33, 48, 49, 64, 96, 128)
+FAST_QUICK_SIZES = (1, 4, 5, 8, 9, 16, 17, 32, 33, 64)
+"""On the fast kernels a step's cost jumps at each 4-row block (5 packed tokens cost what 8
+cost): sizes on both sides of block boundaries, so interpolation does not smooth the steps."""
 """Beyond 64 the profile extrapolates the 32-64 slope."""
 REPEATS = 4
 QUICK_REPEATS = 3
@@ -205,7 +209,9 @@ def measure_profile(target: TargetModel, sizes: Sequence[int] | None = None,
                     quick: bool = False, progress: Progress | None = None, seed: int = 0) -> CostProfile:
     """Measure this target's verify-cost grid now. ``quick`` (the lazy path) takes fewer
     sizes and repeats; explicit ``sizes`` / ``repeats`` win. Uses the caller's thread count."""
-    sizes = (QUICK_SIZES if quick else DEFAULT_SIZES) if sizes is None else sizes
+    if sizes is None:
+        fast = getattr(target, "kernels", "stock") == "fast"
+        sizes = (FAST_QUICK_SIZES if fast else QUICK_SIZES) if quick else (FAST_SIZES if fast else DEFAULT_SIZES)
     repeats = (QUICK_REPEATS if quick else REPEATS) if repeats is None else repeats
     fitted_sizes, fitted_contexts = _fit(target, sizes, contexts)
     times = measure_times(target, fitted_sizes, fitted_contexts, repeats, seed=seed, progress=progress)
