@@ -12,6 +12,7 @@ multi-turn item are asked with the earlier questions and the model's earlier ans
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +65,13 @@ def default_data_dir() -> Path:
 
 def resolve_data(spec: str | None) -> Path:
     """The jsonl file behind ``--data``: ``mmspec`` (the default folder), ``mmspec=PATH`` or
-    ``PATH`` (a folder holding mmspec.jsonl, or the jsonl file itself)."""
+    ``PATH`` (a folder holding mmspec.jsonl, or the jsonl file itself); ``repeats`` or
+    ``repeats=MMSPEC`` is the stress set `recap.bench.repeats` builds from that MMSpec data."""
     spec = (spec or "mmspec").strip()
+    if spec == "repeats" or spec.startswith("repeats="):
+        from recap.bench import repeats
+
+        return repeats.cached(resolve_data(spec[len("repeats="):] or "mmspec"))
     if spec == "mmspec":
         folder = default_data_dir()
         if not (folder / DATA_FILE).is_file():
@@ -195,8 +201,23 @@ def messages_for(unit: Unit, answers: Sequence[str], system_prompt: str | None =
         raise ValueError(f"unit {unit.key} needs {unit.turn} earlier answers, got {len(answers)}")
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     for turn in range(unit.turn):
-        messages.append({"role": "user", "content": unit.item.turns[turn]})
+        messages.append({"role": "user", "content": quote_answers(unit.item.turns[turn], answers[:turn])})
         messages.append({"role": "assistant", "content": answers[turn]})
-    messages.append({"role": "user", "content": unit.question})
+    messages.append({"role": "user", "content": quote_answers(unit.question, answers[: unit.turn])})
     return messages
+
+
+_ANSWER_REF = re.compile(r"\{answer:(\d+)\}")
+
+
+def quote_answers(turn: str, answers: Sequence[str]) -> str:
+    """``turn`` with each ``{answer:K}`` replaced by the answer to turn K (an earlier one): how
+    a user message quotes the model's own text (the ``repeats`` stress set)."""
+    def answer(match: re.Match) -> str:
+        k = int(match.group(1))
+        if k >= len(answers):
+            raise InputError(f"a turn quotes {{answer:{k}}}, but only {len(answers)} earlier answer(s) exist")
+        return answers[k].strip()
+
+    return _ANSWER_REF.sub(answer, turn) if "{answer:" in turn else turn
 

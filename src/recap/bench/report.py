@@ -16,6 +16,8 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from recap.bench.dominance import dominance
+from recap.bench.dominance import markdown_section as dominance_section
 from recap.bench.metrics import REFERENCE, STOCK_REFERENCE, summarise_method
 from recap.bench.results import RESULTS, write_json_atomic
 from recap.bench.runner import ROTATION, WARMUP, latest_rows
@@ -73,6 +75,7 @@ def build_summary(rows: Sequence[dict], record: dict) -> dict:
         "mismatches": sum(methods[label]["mismatches"] for label in labels
                           if label not in (REFERENCE, STOCK_REFERENCE)),
         "methods": methods,
+        "dominance": dominance(rows),
     }
 
 
@@ -192,6 +195,7 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
                                   "observe_ms_per_iteration")),
                         _f(methods[label]["stages"]["draft_nodes_per_iteration"], "{:.1f}")] for label in methods]),
               ""]
+    lines += dominance_section(summary.get("dominance"))
     lines += _calibration_section(methods)
     lines += ["## Output identity against AR", "",
               *_table(["method", "units", "identical", "mismatches"],

@@ -32,14 +32,17 @@ SOURCES_PER_NODE = 3
 def _add_chain(tokens, parents, depths, probs, cells, n, chain, chain_probs, chain_cells):
     """Insert ``chain`` along a root path (arrays have room for it); returns the new count."""
     parent = -1
+    fresh = False  # once a node is new, none of the nodes after it exists yet
     for j in range(chain.shape[0]):
         token = chain[j]
         node = -1
-        for i in range(n):
-            if parents[i] == parent and tokens[i] == token:
-                node = i
-                break
+        if not fresh:
+            for i in range(n):
+                if parents[i] == parent and tokens[i] == token:
+                    node = i
+                    break
         if node < 0:
+            fresh = True
             node = n
             tokens[n] = token
             parents[n] = parent
