@@ -76,7 +76,6 @@ class FastDecoder:
         config = model.config.get_text_config(decoder=True)
         self.args = args = DecoderArgs.from_hf(config)
         decoder = language_model(model)
-        self._model = model
         self._rotary = decoder.rotary_emb
         self.embed = _weight(decoder.embed_tokens.weight)
         self._embed_float16 = decoder.embed_tokens.weight.dtype == torch.float16
