@@ -464,3 +464,38 @@ def test_a_sampled_bench_keeps_every_method_identical_to_ar(tmp_path):
     assert sampled_ar != greedy_ar
     record = json.loads((tmp_path / "out" / "run.json").read_text())
     assert record["settings"]["sampling"] == {"temperature": 0.8, "top_k": 20, "top_p": None}
+
+
+def test_reference_stock_runs_ar_on_stock_kernels_and_counts_agreement_only(tmp_path, monkeypatch):
+    from recap.bench.report import load_run, write_outputs
+
+    seen = []
+    real_decode = bench_runner.decode
+
+    def recording(target, proposer, inputs, **kwargs):
+        seen.append((type(proposer).__name__, target.kernels))
+        return real_decode(target, proposer, inputs, **kwargs)
+
+    monkeypatch.setattr(bench_runner, "decode", recording)
+    target = load_target("tiny-llama")
+    assert target.kernels == "fast"
+    run_bench(_config(tmp_path, reference="stock"), target=target, progress=False)
+    assert target.kernels == "fast"  # switched back after every ar-stock decode
+    ar = "AutoregressiveProposer"
+    assert {kernels for name, kernels in seen if name == ar} == {"fast", "stock"}
+    assert {kernels for name, kernels in seen if name != ar} == {"fast"}
+    out = tmp_path / "out"
+    rows = ResultsFile(out).load()
+    assert {r["method"] for r in rows} == {"ar", "ar-stock", "pld"}
+    # A stock output that differs from fast AR is an agreement figure, not a mismatch.
+    for row in rows:
+        if row["method"] == "ar-stock":
+            row["identical"], row["first_difference"] = False, 3
+    (out / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    rows, record = load_run(out)
+    write_outputs(out, rows, record)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mismatches"] == 0 and summary["methods"]["ar-stock"]["mismatches"] == 4
+    report = (out / "report.md").read_text()
+    assert "0 of 4 outputs identical" in report and "MISMATCH" not in report
+    assert "fast kernels" in report
