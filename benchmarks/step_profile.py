@@ -7,10 +7,11 @@ transformers path and on the fast kernels (`recap.target.kernels`).
     python benchmarks/step_profile.py --model recap-demo-vlm --threads 1 --json out.json
 
 Method: a synthetic prompt of --context tokens, then for each N a random tree of N - 1
-nodes verified and committed (root only) --repeats times after a warm-up, the cache rolled
-back each time; per category the median over repeats. Stock categories come from forward
-hooks on the model's modules (a hook costs a few microseconds, counted in "other"); fast
-categories from timing each kernel call. Thread count pinned and printed.
+nodes verified and committed (root only) --repeats times after a warm-up, in the target's
+measuring session (`TargetModel.measuring`: the cache is restored after each step); per
+category the median over repeats. Stock categories come from forward hooks on the model's
+modules (a hook costs a few microseconds, counted in "other"); fast categories from timing
+each kernel call. Thread count pinned and printed.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import recap  # noqa: E402
 import recap.target.base as target_base  # noqa: E402
-from recap.target import ModelInputs  # noqa: E402
 from recap.target.kernels import decoder as fast_decoder  # noqa: E402
 from recap.target.kernels import ops  # noqa: E402
 from recap.target.kernels.linear import Linear  # noqa: E402
@@ -115,8 +115,11 @@ def instrument(target, timer: Timer):
 def profile(target, sizes, context: int, repeats: int, seed: int = 0) -> dict[int, dict[str, float]]:
     rng = np.random.default_rng(seed)
     pool = np.arange(100, min(target.vocab_size, 20000))
-    prompt = torch.from_numpy(rng.choice(pool, context))[None]
-    _, root = target.prefill(ModelInputs(input_ids=prompt))
+    with target.measuring(rng.choice(pool, context)) as session:
+        return _profile(target, session, sizes, repeats, pool, rng)
+
+
+def _profile(target, session, sizes, repeats: int, pool, rng) -> dict[int, dict[str, float]]:
     trees = {n: random_tree(n - 1, pool, rng) for n in sizes}
     out = {}
     for n in sizes:
@@ -125,10 +128,9 @@ def profile(target, sizes, context: int, repeats: int, seed: int = 0) -> dict[in
             timer = Timer()
             with instrument(target, timer):
                 start = clock()
-                target.verify(root, trees[n])
-                target.commit([])
+                session.step(trees[n])  # verify + commit of the root
                 total = clock() - start
-            target.rollback(1)
+            session.restore()
             if repeat < 2:
                 continue
             spent = dict(timer.spent)
@@ -141,7 +143,6 @@ def profile(target, sizes, context: int, repeats: int, seed: int = 0) -> dict[in
             for key, value in spent.items():
                 samples[key].append(value)
         out[n] = {key: statistics.median(values) * 1e3 for key, values in samples.items()}
-    target.release()
     return out
 
 

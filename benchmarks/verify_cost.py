@@ -5,8 +5,10 @@ This decides tree budgets: a drafter pays off only when tau exceeds this ratio.
     .venv/bin/python benchmarks/verify_cost.py --model smollm2-135m --dtypes float32,bfloat16 --threads 1
 
 Method: one prompt (~256 tokens) is prefilled, then trees of N packed nodes (root + N-1
-random-shape nodes) are verified and rolled back; every N is measured `--repeats` times in an
-interleaved order after a warm-up, and the median time is divided by the median at N = 1.
+random-shape nodes) are verified and committed (root only) in the target's measuring
+session (`TargetModel.measuring`, which restores the cache after each); every N is measured
+`--repeats` times in an interleaved order after a warm-up, and the median time is divided by
+the median at N = 1.
 """
 
 from __future__ import annotations
@@ -34,20 +36,18 @@ def measure(model: str, dtype: str, sizes: list[int], repeats: int, prompt_token
     rng = np.random.default_rng(0)
     words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "while", "cat", "sleeps", "in", "sun"]
     prompt = " ".join(words[i % len(words)] for i in range(prompt_tokens))
-    inputs = target.prepare(prompt)
-    _, first = target.prefill(inputs)
+    ids = target.prepare(prompt).input_ids[0].numpy()
     trees = {n: random_tree(n - 1, rng, target.vocab_size) for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    for round_index in range(repeats + 1):  # round 0 is the warm-up
-        for n in rng.permutation(sizes):
-            start = time.perf_counter()
-            target.verify(first, trees[int(n)])
-            elapsed = time.perf_counter() - start
-            target.commit([])  # keep the root only, then drop it again below
-            target.cache.crop(-1)
-            target.past_len -= 1
-            if round_index:
-                times[int(n)].append(elapsed)
+    with target.measuring(ids) as session:
+        for round_index in range(repeats + 1):  # round 0 is the warm-up
+            for n in rng.permutation(sizes):
+                start = time.perf_counter()
+                session.step(trees[int(n)])  # verify, then commit the root
+                elapsed = time.perf_counter() - start
+                session.restore()
+                if round_index:
+                    times[int(n)].append(elapsed)
     return {n: statistics.median(t) for n, t in times.items()}
 
 

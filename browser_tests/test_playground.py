@@ -66,3 +66,45 @@ def test_the_playground_streams_an_answer_with_drafts_highlighted(browser, tmp_p
     assert drafted and all(span.text for span in drafted), "no accepted draft was highlighted"
     assert "tau" in stats and "tokens/s" in stats
     assert (OUT / "playground.png").stat().st_size > 10_000
+
+
+@pytest.fixture
+def other_origin(tmp_path):
+    """A second local web server (another port: another origin) serving ``tmp_path``."""
+    import functools
+    import http.server
+    import threading
+
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://localhost:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        thread.join(10)
+
+
+def test_a_page_from_another_origin_cannot_use_a_keyless_server(browser, other_origin, tmp_path):
+    """What any web page could do to a keyless server on 127.0.0.1: a cross-site form post whose
+    text/plain body is valid JSON (no preflight), and fetches. All are refused (the form's
+    navigation shows the 403 JSON error) and the server decodes nothing."""
+    with serving("tiny-llama") as (url, app):
+        (tmp_path / "form.html").write_text(f"""<html><body>
+<form id="f" method="post" enctype="text/plain" action="{url}/v1/chat/completions">
+<input type="hidden" name='{{"model": "tiny-llama", "max_tokens": 2, "messages": [{{"role": "user",
+ "content": "hi"}}], "x": "' value='"}}'></form>
+<script>document.getElementById("f").submit()</script></body></html>""")
+        browser.get(f"{other_origin}/form.html")
+        WebDriverWait(browser, 30).until(lambda d: "forbidden_origin" in d.page_source)
+        browser.get(f"{other_origin}/")
+        for content_type in ("text/plain", "application/json"):
+            outcome = browser.execute_async_script("""
+                const done = arguments[arguments.length - 1];
+                fetch(arguments[0], {method: "POST", headers: {"Content-Type": arguments[1]}, body: arguments[2]})
+                    .then(r => r.text().then(t => done("read " + r.status + " " + t)), () => done("blocked"));""",
+                f"{url}/v1/chat/completions", content_type,
+                '{"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}')
+            assert outcome == "blocked", outcome
+        assert not app.state.tenants.streams  # no request reached the decoder

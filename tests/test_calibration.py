@@ -23,8 +23,9 @@ def _cells() -> dict[str, np.ndarray]:
     """A few cells of every source."""
     return {
         "recycled": recycled_cells(np.array([0.05, 0.55, 0.95, 0.55]), np.array([1, 1, 3, 7])),
-        "request": continuation_cells(REQUEST, 6, np.array([1, 2, 3, 5])),  # four offset buckets
-        "store": continuation_cells(STORE, 20, np.array([1, 2, 3, 9])),
+        # first | later, then later tokens of ever longer evidence: four cells each
+        "request": continuation_cells(REQUEST, 6, np.array([1, 2, 5, 20])),
+        "store": continuation_cells(STORE, 20, np.array([1, 2, 14, 60])),
     }
 
 
@@ -186,3 +187,50 @@ def test_reset_forgets_outcomes_and_keeps_the_settings():
     disabled = AcceptanceCalibrator(enabled=False)
     disabled.reset()
     assert not disabled.enabled
+
+
+# ----------------------------------------------------------------------------- long copies
+def test_a_long_copy_is_trusted_more_the_further_it_has_run():
+    calibrator = AcceptanceCalibrator()
+    for source in (REQUEST, STORE):
+        probs, _ = calibrator.continuation(source, 20, np.arange(1, 61))
+        assert np.all(np.diff(probs[1:]) >= 0) and probs[-1] > 0.97  # evidence 21 .. 79
+        # A 1-token match: the rule of succession's 1/3, above the measured table's 0.15.
+        short, _ = calibrator.continuation(source, 1, np.array([1]))
+        assert short[0] == pytest.approx(1 / 3)
+    # The chooser multiplies these along the chain: before any outcome, 40 tokens after a
+    # 20-token match keep 21 x 22 / (60 x 61) = 12.6% of their path probability (the old
+    # cap of 0.9 per token kept 0.9^39 = 1.6%); outcomes raise it from there.
+    probs, _ = calibrator.continuation(REQUEST, 20, np.arange(1, 41))
+    assert np.prod(probs[1:]) == pytest.approx(21 * 22 / (60 * 61))
+
+
+def test_one_rejection_does_not_freeze_the_offsets_never_tried_again():
+    """Cells keyed by evidence: a copy rejected at its 4th token once, then accepted 3 tokens
+    a step for many steps, trusts its 4th token again (cells keyed by offset kept it low)."""
+    calibrator = AcceptanceCalibrator()
+    _, cells = calibrator.continuation(REQUEST, 20, np.arange(1, 5))
+    calibrator.update(cells, np.array([True, True, True, False]))
+    fourth_after_rejection = calibrator.continuation(REQUEST, 20, np.array([4]))[0][0]
+    for step in range(1, 6):  # the match grows by the 3 accepted tokens and the bonus token
+        _, cells = calibrator.continuation(REQUEST, 20 + 4 * step, np.arange(1, 4))
+        calibrator.update(cells, np.array([True, True, True]))
+    fourth_later = calibrator.continuation(REQUEST, 40, np.array([4]))[0][0]
+    assert fourth_later > fourth_after_rejection and fourth_later > 0.9
+
+
+def test_calibration_saved_with_the_old_cells_keeps_its_recycled_counts():
+    from recap.core.calibration import LEGACY_CELLS
+
+    old = AcceptanceCalibrator()
+    recycled = recycled_cells(np.array([0.55]), np.array([1]))
+    trials = np.zeros(LEGACY_CELLS)
+    accepts = np.zeros(LEGACY_CELLS)
+    trials[recycled] = 10
+    accepts[recycled] = 9
+    trials[-1] = accepts[-1] = 5  # an old continuation cell: meaningless now, dropped
+    old.restore(trials, accepts)
+    assert old.trials[recycled] == 10 and old.accepts[recycled] == 9
+    assert old.trials[len(old.prior) - 2 * 16:].sum() == 0
+    with pytest.raises(ValueError):
+        old.restore(np.zeros(7), np.zeros(7))

@@ -242,3 +242,14 @@ def test_choosing_asks_the_cost_model_once_for_all_sizes():
         tree, _ = choose(candidates, profile, 0)
         assert 0 < len(tree) <= 400
     assert 1 <= len(calls) <= 10 and all(size >= 401 for size in calls)
+
+
+def test_nodes_deeper_than_the_request_can_use_are_never_drafted():
+    # A certain 10-token chain, but the request may commit only 4 more tokens: depth 3 at most.
+    candidates = Candidates(list(range(10)), [-1, *range(9)], list(range(1, 11)), [0.99] * 10, [0] * 10)
+    tree, chosen = choose(candidates, CostProfile.flat(), 0, max_depth=3)
+    assert len(tree) == 3 and max(tree.depths) == 3
+    tree, _ = choose(candidates, None, 0, cap=8, max_depth=3)  # a fixed budget too
+    assert len(tree) == 3
+    tree, _ = choose(candidates, CostProfile.flat(), 0)
+    assert len(tree) == 10

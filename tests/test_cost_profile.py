@@ -19,6 +19,8 @@ from recap.proposers.base import BaseProposer
 from recap.target import profile as profiles
 from tests.conftest import TINY_MODELS, load_target
 
+pytestmark = pytest.mark.measured_cost_profile  # the lazy profile path is what these tests test
+
 SMALL = {"sizes": (1, 2, 4), "contexts": (8, 24), "repeats": 1}
 """A grid that measures in well under a second on the tiny models."""
 
@@ -31,11 +33,9 @@ def fresh(name: str = "tiny-llama", dtype: str = "float32") -> recap.TargetModel
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch) -> Path:
-    """An empty RECAP_CACHE that still finds the already built tiny models."""
-    for name in TINY_MODELS:
-        built = Path(load_target(name).name)
-        (tmp_path / built.name).symlink_to(built)
+    """An empty RECAP_CACHE of the test's own (the built models stay in RECAP_MODEL_CACHE)."""
     monkeypatch.setenv("RECAP_CACHE", str(tmp_path))
+    assert Path(load_target("tiny-llama").name).parent != tmp_path
     return tmp_path
 
 

@@ -6,6 +6,7 @@ from recap.core.cost import CostProfile
 from recap.decoding import Decoding, decode
 from recap.errors import InputError
 from recap.proposers import make_proposer
+from tests.helpers import assert_drafted
 
 
 def _repeated(target, proposer, prompt, max_new_tokens=24):
@@ -15,6 +16,7 @@ def _repeated(target, proposer, prompt, max_new_tokens=24):
     return Decoding(target, proposer, inputs, max_new_tokens=max_new_tokens, cost=CostProfile.flat())
 
 
+@pytest.mark.lossless
 def test_steps_add_up_to_decode_and_mark_drafted_tokens(tiny_llama):
     prompt = "Count: one two three four five six seven eight nine ten eleven twelve."
     reference = decode(tiny_llama, make_proposer("ar"), tiny_llama.prepare(prompt), max_new_tokens=24).tokens
@@ -23,7 +25,8 @@ def test_steps_add_up_to_decode_and_mark_drafted_tokens(tiny_llama):
     assert [t for step in steps for t in step.tokens] == reference == decoding.result.tokens
     assert steps[0].iteration is None and steps[0].drafted == 0 and len(steps[0].tokens) == 1
     assert all(step.drafted <= len(step.tokens) for step in steps)
-    assert sum(step.drafted for step in steps) > 0  # the second run replays the first: drafts were accepted
+    assert_drafted(decoding.result, min_accepted=10)  # the second run replays the first
+    assert sum(step.drafted for step in steps) > 0
     assert sum(step.drafted for step in steps) <= sum(it.accepted for it in decoding.result.iterations)
     assert decoding.result.total_s > 0
 

@@ -136,6 +136,7 @@ def test_the_shipped_demo_vlm_assembles_offline_and_is_lossless():
     LLaVA that AR, RECAP and a baseline decode exactly like generate() on 5 held-out scenes."""
     from recap.check import run_check
     from tests.conftest import load_target
+    from tests.helpers import assert_drafted
 
     target = load_target("recap-demo-vlm")
     assert type(target.model).__name__ == "LlavaForConditionalGeneration" and target.family == "llava"
@@ -144,6 +145,8 @@ def test_the_shipped_demo_vlm_assembles_offline_and_is_lossless():
     for method in ("ar", "recap", "token-recycling"):
         report = run_check(target, method, items=items, max_new_tokens=24)
         assert report.failed == 0 and all(case.has_image for case in report.cases)
+        if method != "ar":
+            assert_drafted(report, min_accepted=5)
         references = references or [case.reference for case in report.cases]
     # The vision side is really used: another image changes the answer.
     swapped = [(question, image) for (question, _), (_, image) in zip(items, items[1:] + items[:1], strict=True)]

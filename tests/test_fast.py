@@ -1,4 +1,5 @@
-"""The compiled fast path (`recap.core.fast.FastMemory`) against the pure-Python reference.
+"""RECAP's engine (`recap.core.fast.FastMemory`) against the pure-Python oracle
+(`tests/reference_recap.py`).
 
 Same operations on both (prompt seeding, refreshes, contextual or not, request and stream
 resets), then: identical U/C/G contents, and identical trees from ``build_tree`` for random
@@ -14,10 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from recap.core import DraftTree, PromptRows, VerifiedTree
-from recap.core.fast import FUSION_CODES, FastMemory, context_of, fusion_code
-from recap.core.fusion import FUSION_MODES
-from recap.core.memory import PredictionMemory, rows_from_logits
-from recap.proposers.recap import RecapPaperProposer, RecapProposer
+from recap.core.fast import FUSION_CODES, FUSION_MODES, FastMemory, context_of, fusion_code
+from recap.proposers.recap import RecapConfig, RecapPaperProposer
+from tests.reference_recap import PredictionMemory, ReferenceSearch
 
 MODES = list(FUSION_CODES)
 ETA_CHOICES = [
@@ -123,21 +123,18 @@ class World:
         assert len(self.fast) == len(self.reference)
 
     def assert_same_tree(self, history: list[int], excluded: frozenset[int], **config) -> None:
-        proposer = RecapProposer(suffix_tokens=0, engine="python", **config)
-        proposer.memory = self.reference
-        proposer._excluded = excluded
-        proposer._fusion_cache.clear()
+        search = ReferenceSearch(RecapConfig(suffix_tokens=0, **config), self.reference, excluded)
         try:
-            builder, reference_q = proposer.build_tree(list(history))
+            builder, reference_q = search.build_tree(list(history))
         except ZeroDivisionError:  # a row whose kept probabilities sum to 0 (not sorted highest first)
             builder = None
         mask = None
         if excluded:
             mask = np.zeros(self.vocab, dtype=bool)
             mask[list(excluded)] = True
-        c = proposer.config
+        c = search.config
         mode = c.fusion if self.rng.random() < 0.5 else FUSION_CODES[c.fusion]
-        arguments = (context_of(history), c.budget, c.max_depth, c.width, c.top_k, np.array(proposer._etas),
+        arguments = (context_of(history), c.budget, c.max_depth, c.width, c.top_k, np.array(search.etas),
                      np.array(c.priors), mode, mask)
         if builder is None:
             with pytest.raises(ZeroDivisionError):
@@ -229,47 +226,47 @@ def test_long_stream_with_pool_compaction_and_growth(params):
 
 
 def test_synthetic_decode_trajectory_matches_the_reference():
-    """The proposer's real loop on the synthetic target (as `run_overhead` replays it): every
-    tree the reference proposes is the fast path's, and the memories stay equal."""
+    """The production proposer's real loop on the synthetic target: every tree it proposes is
+    the oracle's tree for the same history, and the oracle memory, fed the same prompts and
+    verifications, ends equal to the proposer's."""
     from recap.overhead import SyntheticTarget
 
     target = SyntheticTarget(3000, seed=3)
     # The paper's configuration proposes exactly the searched tree (the cost-aware one reorders
     # and cuts it); the search's q is checked too.
-    proposer = RecapPaperProposer(suffix_tokens=0, engine="python")
-    fast = FastMemory(target.vocab_size, target.top_k)
+    proposer = RecapPaperProposer(suffix_tokens=0)
+    reference = ReferenceSearch(proposer.config)
     c = proposer.config
-    etas, priors = np.array(proposer._etas), np.array(c.priors)
     proposer.reset_stream()
     iterations = 0
     for request in range(3):
         prompt = target.sample_prompt(48, seed=request)
         rows, first = target.prefill(prompt)
         proposer.begin_request(rows)
-        fast.reset_request()
-        fast.seed_from_prompt(rows.ids, rows.topk_ids, rows.topk_logits, rows.eligible)
+        reference.memory.reset_request()
+        reference.memory.seed_from_prompt(rows)
         history = [*prompt, first]
         while len(history) < len(prompt) + 40:
             tree = proposer.propose(history)
-            tokens, parents, depths, q = fast.build_tree(context_of(history), c.budget, c.max_depth, c.width, c.top_k,
-                                                      etas, priors, c.fusion)
-            assert (tokens.tolist(), parents.tolist(), depths.tolist()) == (
+            builder, reference_q = reference.build_tree(history[-3:])
+            assert (builder.tokens, builder.parents, builder.depths) == (
                 tree.tokens.tolist(), tree.parents.tolist(), tree.depths.tolist())
-            reference_q = proposer.search(history[-3:])[3]
+            q = proposer.memory.build_tree(context_of(history), c.budget, c.max_depth, c.width, c.top_k,
+                                           np.array(reference.etas), np.array(c.priors), c.fusion)[3]
             assert len(reference_q) == len(q) and np.all((q > 0) & (q <= 1))
             np.testing.assert_allclose(q, reference_q, rtol=1e-9, atol=1e-12)
             step = target.verify(history[-1], tree)
             target.commit(step.accepted)
-            fast.refresh(context_of(history), step.tree.tokens, step.tree.parents, step.topk_ids, step.topk_logits)
+            reference.memory.refresh(history, step)
             proposer.observe(step)
             history.extend(step.committed)
             iterations += 1
         proposer.end_request()
-        fast.reset_request()
+        reference.memory.reset_request()
         target.release()
     assert iterations > 20
     world = World.__new__(World)
-    world.reference, world.fast = proposer.memory, fast
+    world.reference, world.fast = reference.memory, proposer.memory
     world.assert_same_contents()
 
 
@@ -332,7 +329,7 @@ def test_bad_inputs_raise_and_write_nothing():
     assert len(tokens) == len(parents) == len(depths) == 4
 
 
-def test_repeated_ids_in_a_loaded_row_become_one_child_in_both_engines():
+def test_repeated_ids_in_a_loaded_row_become_one_child_in_the_engine_and_the_oracle():
     # A saved memory pads narrower rows with id 0 at probability 0: loaded back, the row repeats
     # token 0. Each child token must appear once, or the best-first search re-expands the same
     # subtree over and over (it once grew the heap until memory ran out).
@@ -346,14 +343,8 @@ def test_repeated_ids_in_a_loaded_row_become_one_child_in_both_engines():
     for parent in set(parents.tolist()):
         children = tokens[parents == parent].tolist()
         assert len(children) == len(set(children))
-    reference = RecapProposer(engine="python", top_k=4, budget=63)
-    reference.begin_request(PromptRows(ids=np.array([1]), topk_ids=np.array([[2, 3, 4, 6]]),
-                                       topk_logits=np.zeros((1, 4), dtype=np.float32), eligible=np.array([False]),
-                                       vocab_size=16, excluded_tokens=frozenset()))
-    for key, row_ids, row_probs in zip(keys.tolist(), ids, probs):
-        with np.errstate(divide="ignore"):
-            logits = np.where(row_probs > 0, np.log(np.where(row_probs > 0, row_probs, 1.0)), -1e30)
-        reference.memory.unigram[key] = rows_from_logits(row_ids[None], logits[None])[0]
+    reference = ReferenceSearch(RecapConfig(top_k=4, budget=63))
+    reference.memory.load_unigram(keys, ids, probs)
     builder, _ = reference.build_tree([5])
     for parent in set(builder.parents):
         children = [t for t, p in zip(builder.tokens, builder.parents) if p == parent]

@@ -10,9 +10,12 @@ import recap.target.base as target_base
 from recap.check import run_check
 from recap.core import ROOT, VerifiedTree
 from recap.proposers import DecoyDrafter, make_proposer
+from recap.proposers.pld import PromptLookupProposer
+from recap.proposers.testing import RandomDrafter
 from recap.target import QwenVLTarget
 from tests.broken_verifiers import first_child_walk
 from tests.conftest import load_target
+from tests.helpers import ReferencePrimed, assert_drafted
 
 
 class RecordingDecoy(DecoyDrafter):
@@ -49,6 +52,7 @@ def test_decoy_trees_are_lossless_on_tiny_architectures(tiny_target):
     if tiny_target.accepts_images:
         assert sum(case.has_image for case in cases) >= 20 and not all(case.has_image for case in cases)
     # The check must have exercised what it claims to.
+    assert_drafted(report, min_accepted=100)
     assert report.tau > 2.0
     assert drafter.off_first_branch > 10 and drafter.deep_trees > 10
     assert drafter.max_nodes_seen > 50
@@ -57,9 +61,35 @@ def test_decoy_trees_are_lossless_on_tiny_architectures(tiny_target):
     assert sum(case.cut_inside_path and case.stop_reason == "length" for case in cases) >= 2
 
 
-@pytest.mark.parametrize("method", ["ar", "random", "pld"])
-def test_other_drafters_are_lossless_on_tiny_architectures(tiny_target, method):
-    _assert_all_passed(run_check(tiny_target, method, prompts=10, max_new_tokens=32, vary=True, seed=2))
+class PrimedPld(ReferencePrimed, PromptLookupProposer):
+    """PLD's own lookup, over the reference on every other request (tests/helpers.py)."""
+
+
+class CountingRandom(RandomDrafter):
+    """The random drafter, counting the nodes it drafts."""
+
+    drafted = 0
+
+    def propose(self, history, limits=None):
+        tree = super().propose(history, limits)
+        self.drafted += len(tree)
+        return tree
+
+
+@pytest.mark.no_accepted_drafts(reason="AR drafts nothing; random trees are all rejected (the decoy tests accept)")
+def test_ar_and_random_trees_are_lossless_on_tiny_architectures(tiny_target):
+    """AR drafts nothing; random trees are (on these models) all rejected: the rejection path."""
+    _assert_all_passed(run_check(tiny_target, "ar", prompts=10, max_new_tokens=32, vary=True, seed=2))
+    random = CountingRandom()
+    _assert_all_passed(run_check(tiny_target, random, prompts=10, max_new_tokens=32, vary=True, seed=2))
+    assert random.drafted > 1000  # whole trees were verified and thrown away
+
+
+def test_pld_is_lossless_with_accepted_drafts_on_tiny_architectures(tiny_target):
+    report = run_check(tiny_target, PrimedPld(), prompts=10, max_new_tokens=32, vary=True, seed=2)
+    _assert_all_passed(report)
+    assert_drafted(report, min_accepted=30)
+    assert any(case.cut_inside_path for case in report.cases)
 
 
 @pytest.mark.slow
@@ -67,6 +97,7 @@ def test_other_drafters_are_lossless_on_tiny_architectures(tiny_target, method):
 def test_lossless_on_real_smollm2(smollm2, method):
     report = run_check(smollm2, method, prompts=5, max_new_tokens=24, vary=method == "decoy", seed=4)
     _assert_all_passed(report)
+    assert_drafted(report, min_accepted=20 if method == "decoy" else 1)
     if method == "decoy":
         assert report.tau > 2.0
 
@@ -174,4 +205,5 @@ def test_decoy_trees_are_lossless_on_a_tiny_gemma3(tiny_llama):
     target = recap.load((Gemma3ForCausalLM(config).eval(), tiny_llama.tokenizer))
     report = run_check(target, DecoyDrafter(seed=8), prompts=8, max_new_tokens=32, vary=True, seed=8)
     _assert_all_passed(report)
+    assert_drafted(report, min_accepted=20)
     assert report.tau > 2.0

@@ -10,7 +10,7 @@ from .conftest import load_target
 
 
 def test_local_folder_and_loaded_objects_give_the_same_target(tiny_llama):
-    folder = models.cache_dir() / f"tiny-llama-v{models.BUILD_VERSION}"
+    folder = models.model_cache_dir() / f"tiny-llama-v{models.BUILD_VERSION}"
     by_path = recap.load(str(folder))
     hf_model, tokenizer = models.load_pretrained("tiny-llama")
     by_objects = recap.load((hf_model, tokenizer))
@@ -27,14 +27,16 @@ def test_vlm_adapters_are_chosen_by_model_type(tiny_qwen):
 
 def test_tiny_builds_are_deterministic(tmp_path, monkeypatch):
     """Rebuilding a tiny model from its seed in a fresh cache gives identical weights."""
-    original = models.cache_dir() / f"tiny-llama-v{models.BUILD_VERSION}"
+    original = models.model_cache_dir() / f"tiny-llama-v{models.BUILD_VERSION}"
     fresh = tmp_path / "cache"
     fresh.mkdir()
     # Reuse the converted SmolLM2 tokenizer instead of converting the GGUF file again.
     (fresh / f"smollm2-135m-v{models.BUILD_VERSION}").symlink_to(
-        models.cache_dir() / f"smollm2-135m-v{models.BUILD_VERSION}")
-    monkeypatch.setenv("RECAP_CACHE", str(fresh))
+        models.model_cache_dir() / f"smollm2-135m-v{models.BUILD_VERSION}")
+    monkeypatch.setenv("RECAP_MODEL_CACHE", str(fresh))
+    assert models.model_cache_dir() == fresh
     rebuilt, _ = models.load_pretrained("tiny-llama")
+    assert (fresh / original.name / "config.json").exists()  # really rebuilt, not found elsewhere
     monkeypatch.undo()
     first, _ = models._load_folder(original, torch.float32)
     for (name, a), (_, b) in zip(first.state_dict().items(), rebuilt.state_dict().items()):

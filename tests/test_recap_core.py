@@ -1,4 +1,6 @@
-"""RECAP's memory, fusion and best-first tree against hand-computed cases."""
+"""RECAP's memory, fusion and best-first tree against hand-computed cases: memory and fusion
+on the pure-Python oracle (`tests/reference_recap.py`, which `tests/test_fast.py` ties to the
+engine bit for bit), trees on the production proposer."""
 
 import math
 
@@ -6,9 +8,9 @@ import numpy as np
 import pytest
 
 from recap.core import ROOT, DraftTree, PromptRows, VerifiedTree
-from recap.core.fusion import fuse as fuse_rows
-from recap.core.memory import PredictionMemory, make_row, rows_from_logits
 from recap.proposers.recap import RecapPaperProposer
+from tests.reference_recap import PredictionMemory, make_row, plant_unigram, rows_from_logits
+from tests.reference_recap import fuse as fuse_rows
 
 
 def entropy_confidence(probs):
@@ -171,11 +173,12 @@ def test_request_reset_clears_contextual_maps_but_keeps_unigram():
 
 # ----------------------------------------------------------------------------- tree
 def _proposer_with_unigram(rows, **config):
-    """The paper's tree (recap-paper): these cases pin its best-first order and suffix rule."""
-    proposer = RecapPaperProposer(suffix_tokens=0, engine="python", **config)
+    """The paper's tree (recap-paper): these cases pin its best-first order and suffix rule.
+    U holds exactly ``rows`` (the prompt's own seeding is cleared)."""
+    proposer = RecapPaperProposer(suffix_tokens=0, **config)
     proposer.begin_request(_prompt([500, 501]))
-    proposer.memory.unigram.clear()
-    proposer.memory.unigram.update(rows)
+    proposer.memory.reset_stream()
+    plant_unigram(proposer.memory, rows)
     return proposer
 
 
@@ -205,19 +208,22 @@ def test_depth_width_and_excluded_tokens_limit_the_tree():
 
 def test_deeper_context_uses_fused_rows():
     proposer = _proposer_with_unigram({3: make_row((10,), (1.0,), 1.0)}, budget=2)
-    proposer.memory.bigram[(3, 10)] = make_row((40,), (1.0,), 1.0)
-    proposer.memory.unigram[10] = make_row((41,), (1.0,), 1.0)
+    # A verification with root 10 after (3, 10) writes C[3, 10] (and U[10]); then U[10] is replaced.
+    proposer.memory.refresh((-1, 3, 10), np.zeros(0, np.int64), np.zeros(0, np.int64), np.array([[40]]),
+                            np.zeros((1, 1), np.float32))
+    plant_unigram(proposer.memory, {10: make_row((41,), (1.0,), 1.0)})
+    assert proposer.memory.table("bigram") == {(3, 10): ((40,), (1.0,), 1.0)}
     tree = proposer.propose([2, 3])
     # Under context (3, 10): C[3,10] and U[10] fuse with priors 0.7/0.2 -> 40 first.
     assert tree.tokens.tolist() == [10, 40]
 
 
 def test_suffix_continuation_shares_the_tree_prefix():
-    proposer = RecapPaperProposer(budget=2, engine="python")
+    proposer = RecapPaperProposer(budget=2)
     # Prompt 1 3 10 20 99 7 ... then history ends with 3: the automaton continues 10 20 99 7.
     proposer.begin_request(_prompt([1, 3, 10, 20, 99, 7, 8]))
-    proposer.memory.unigram.clear()
-    proposer.memory.unigram.update({3: make_row((10,), (1.0,), 1.0), 10: make_row((20,), (1.0,), 1.0)})
+    proposer.memory.reset_stream()
+    plant_unigram(proposer.memory, {3: make_row((10,), (1.0,), 1.0), 10: make_row((20,), (1.0,), 1.0)})
     tree = proposer.propose([1, 3, 10, 20, 99, 7, 8, 3])
     assert tree.tokens.tolist() == [10, 20, 99, 7]
     assert tree.parents.tolist() == [ROOT, 0, 1, 2]  # 10 and 20 reused, 99 and 7 appended

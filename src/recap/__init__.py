@@ -12,9 +12,9 @@ from recap.decoding import DecodeStep, Decoding, GenerationResult, decode, gener
 from recap.errors import InputError, RecapError
 from recap.models import load
 from recap.proposers import PROPOSERS, Proposer, make_proposer
-from recap.target import TargetModel, wrap
+from recap.target import Target, TargetModel, wrap
 from recap.target.sampling import Sampling
 
 __all__ = ["PROPOSERS", "DecodeStep", "Decoding", "GenerationResult", "InputError", "Proposer", "RecapError",
-           "Sampling", "TargetModel", "decode", "generate", "load", "make_proposer", "wrap"]
+           "Sampling", "Target", "TargetModel", "decode", "generate", "load", "make_proposer", "wrap"]
 __version__ = "0.1.0"

@@ -31,6 +31,9 @@ class CheckCase:
     tau: float
     cut_inside_path: bool
     stop_reason: str
+    accepted: int = 0
+    """Draft tokens the target accepted over the case's verifications (0: nothing drafted
+    was ever checked against the reference, whatever ``passed`` says)."""
 
     @property
     def passed(self) -> bool:
@@ -79,6 +82,11 @@ class CheckReport:
     def tau(self) -> float:
         return float(np.mean([case.tau for case in self.cases])) if self.cases else 1.0
 
+    @property
+    def accepted(self) -> int:
+        """Draft tokens accepted over every case."""
+        return sum(case.accepted for case in self.cases)
+
 
 def run_check(target: TargetModel, method: str | Proposer, *, prompts: int = 30, max_new_tokens: int = 48,
               vary: bool = False, seed: int = 0, on_case: Callable[[CheckCase], None] | None = None,
@@ -99,12 +107,12 @@ def run_check(target: TargetModel, method: str | Proposer, *, prompts: int = 30,
         if vary and index % 2 == 1 and len(reference) > 2:
             eos = [reference[int(rng.integers(1, len(reference) - 1))]]
             reference = target.reference_generate(inputs, limit, eos)
-        if hasattr(proposer, "set_reference"):
-            proposer.set_reference(inputs.prompt_ids + reference)
+        proposer.set_reference(inputs.prompt_ids + reference)  # only oracle test drafters read it
         result = decode(target, proposer, inputs, max_new_tokens=limit, eos_token_ids=eos)
         case = CheckCase(index=index, prompt=prompt, has_image=image is not None, max_new_tokens=limit,
                          eos_token_ids=list(eos), reference=reference, output=result.tokens, tau=result.tau,
-                         cut_inside_path=result.cut_inside_path, stop_reason=result.stop_reason)
+                         cut_inside_path=result.cut_inside_path, stop_reason=result.stop_reason,
+                         accepted=sum(it.accepted for it in result.iterations))
         cases.append(case)
         if on_case is not None:
             on_case(case)

@@ -541,11 +541,19 @@ def _add_serve(commands) -> None:
                        help="bound of each tenant's RECAP token memory in rows (least recently seen go first)")
     serve.add_argument("--api-keys", default=None, metavar="FILE",
                        help="one '<tenant> <key>' per line; clients send 'Authorization: Bearer <key>'")
-    serve.add_argument("--max-queue", type=_positive, default=64, help="waiting requests before answering 429")
+    serve.add_argument("--max-queue", type=_positive, default=64,
+                       help="requests admitted and not yet decoding before answering 429")
     serve.add_argument("--max-tokens-limit", type=_positive, default=1024, help="largest max_tokens a request may ask")
     serve.add_argument("--request-timeout", type=_positive, default=300, help="seconds a request may take in all")
-    serve.add_argument("--allow-local-images", action="store_true",
-                       help="accept image_url parts that are paths on this machine (off: base64 data: URLs only)")
+    serve.add_argument("--max-body-bytes", type=_positive, default=16 * 1024 * 1024, metavar="N",
+                       help="largest request body, counted as it streams in (default 16 MiB)")
+    serve.add_argument("--max-image-bytes", type=_positive, default=10 * 1024 * 1024, metavar="N",
+                       help="largest image file (default 10 MiB)")
+    serve.add_argument("--max-image-pixels", type=_positive, default=40_000_000, metavar="N",
+                       help="largest image in pixels, checked before decoding (default 40000000)")
+    serve.add_argument("--allow-local-images", default=None, metavar="DIR",
+                       help="accept image_url parts that are paths of files under DIR (symlinks and '..' resolved; "
+                            "default: base64 data: URLs only)")
     _cost_option(serve)
 
 
@@ -565,11 +573,17 @@ def _serve(args: argparse.Namespace) -> int:
         loopback = args.host == "localhost" or ipaddress.ip_address(args.host).is_loopback
     except ValueError:
         loopback = False
+    if args.allow_local_images is not None and keys is None and not loopback:
+        raise InputError(f"--allow-local-images on --host {args.host} would let other machines read images from "
+                         f"{args.allow_local_images}: give --api-keys FILE, or serve on 127.0.0.1")
     if keys is None and not loopback:
         raise InputError(f"--host {args.host} is reachable from other machines: give --api-keys FILE, or serve on "
                          "127.0.0.1")
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be in 0-65535, got {args.port}")
+    if args.allow_local_images is not None and not os.path.isdir(args.allow_local_images):
+        raise InputError(f"--allow-local-images {args.allow_local_images}: not a folder (it takes the folder "
+                         "images may be read from)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
     target = load(args.model, dtype=args.dtype, kernels=args.kernels)
     target.use_cost_profile(args.cost_profile)
@@ -577,7 +591,9 @@ def _serve(args: argparse.Namespace) -> int:
     config = ServerConfig(model_name=name, method=args.method, api_keys=keys, memory_dir=args.memory_dir,
                           memory_rows=args.memory_rows,
                           max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
-                          request_timeout=float(args.request_timeout), allow_local_images=args.allow_local_images)
+                          request_timeout=float(args.request_timeout), max_body_bytes=args.max_body_bytes,
+                          max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+                          allow_local_images=args.allow_local_images)
     app = create_app(target, config)
     print(f"serving {name} with {args.method} on http://{args.host}:{args.port} ({torch.get_num_threads()} "
           f"thread(s); {'tenants from ' + args.api_keys if keys else 'one tenant, no keys'})", flush=True)

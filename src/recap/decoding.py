@@ -16,7 +16,7 @@ from PIL import Image
 from recap.core import CostProfile, DraftTree, StepLimits
 from recap.errors import InputError
 from recap.proposers import Proposer, make_proposer
-from recap.target import ModelInputs, TargetModel
+from recap.target import ModelInputs, Target, TargetModel
 from recap.target.sampling import Sampler, Sampling
 
 
@@ -84,21 +84,26 @@ class Decoding:
     """One request's decoding loop as an iterator of `DecodeStep`: what streaming, `decode`,
     `generate` and the CLI all run. ``result`` grows as steps are taken and is complete once
     the iterator is exhausted. Leaving early (``break``, ``close()``, an error, a cancelled
-    request) still frees the KV cache and ends the proposer's request."""
+    request) still frees the KV cache and ends the proposer's request.
 
-    def __init__(self, target: TargetModel, proposer: Proposer, inputs: ModelInputs, *, max_new_tokens: int = 128,
-                 eos_token_ids: Sequence[int] | None = None, cost: CostProfile | None = None,
-                 sampling: Sampling | None = None):
+    The loop uses only what `recap.target.protocol.Target` and `recap.proposers.Proposer`
+    declare (context limit, sliding window, sampling, image-attention capture, cost profile,
+    ``wants_cost``, ``wants_image_attention``): any target and proposer that conform run here."""
+
+    def __init__(self, target: Target, proposer: Proposer, inputs: ModelInputs | Sequence[int], *,
+                 max_new_tokens: int = 128, eos_token_ids: Sequence[int] | None = None,
+                 cost: CostProfile | None = None, sampling: Sampling | None = None):
         if max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        ids = getattr(inputs, "input_ids", None)
-        prompt_len = ids.shape[1] if ids is not None else len(inputs)  # (a synthetic target takes a token list)
-        window = getattr(target, "sliding_window", None)
+        if sampling is not None and not target.can_sample:
+            raise InputError(f"{type(target).__name__} decodes greedily only: it cannot sample")
+        prompt_len = target.prompt_length(inputs)
+        window = target.sliding_window
         if window is not None and prompt_len + max_new_tokens > window:
             raise InputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"model's sliding attention window of {window} tokens, beyond which tree verification "
                              "is not exact")
-        max_context = getattr(target, "max_context", None)
+        max_context = target.max_context
         if max_context is not None and prompt_len + max_new_tokens > max_context:
             raise InputError(f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                              f"model's context of {max_context} tokens")
@@ -115,18 +120,17 @@ class Decoding:
     def _steps(self) -> Iterator[DecodeStep]:
         target, proposer, result, eos = self.target, self.proposer, self.result, self.eos
         max_new_tokens, cost = self.max_new_tokens, self.cost
-        capture = getattr(target, "capture_image_attention", None)
-        if capture is not None:  # only proposers that gate on it (sam-viskip) pay for the measurement
-            capture(bool(getattr(proposer, "wants_image_attention", False)))
-        if cost is None and getattr(proposer, "wants_cost", False) and hasattr(target, "verify_cost"):
-            cost = target.verify_cost()
-        max_context = getattr(target, "max_context", None) or 1 << 62
+        # only proposers that gate on it (sam-viskip) pay for the measurement
+        target.capture_image_attention(proposer.wants_image_attention)
+        if cost is None and proposer.wants_cost:
+            cost = target.verify_cost()  # None: the target has no profile, the proposer keeps its budget
+        max_context = target.max_context or 1 << 62
         clock = time.perf_counter
         start = clock()
         begun = False
         try:
             sampler = self.sampler
-            rows, first = target.prefill(self.inputs) if sampler is None else target.prefill(self.inputs, sampler)
+            rows, first = target.prefill(self.inputs, sampler)
             proposer.begin_request(rows)
             begun = True
             history = rows.ids.tolist() + [first]
@@ -139,12 +143,12 @@ class Decoding:
             while not done:
                 t0 = clock()
                 context_len = target.past_len
-                tree = proposer.propose(history, StepLimits(cost=cost, context_len=context_len))
+                limits = StepLimits(cost=cost, context_len=context_len, remaining=max_new_tokens - len(result.tokens))
+                tree = proposer.propose(history, limits)
                 if len(tree) and context_len + tree.max_depth >= max_context:
                     tree = DraftTree.empty()  # drafts would need positions past the model's context
                 t1 = clock()
-                step = target.verify(history[-1], tree) if sampler is None \
-                    else target.verify(history[-1], tree, sampler, len(result.tokens))
+                step = target.verify(history[-1], tree, sampler, len(result.tokens))
                 committed = step.committed
                 room = max_new_tokens - len(result.tokens)
                 taken = committed[:room]
@@ -170,13 +174,15 @@ class Decoding:
                 result.iterations.append(iteration)
                 yield DecodeStep(list(taken), min(len(step.accepted), len(taken)), iteration)
         finally:
-            if begun:
-                proposer.end_request()
-            target.release()
-            result.total_s = clock() - start
+            try:
+                if begun:
+                    proposer.end_request()
+            finally:  # a proposer that fails to end its request must not keep the KV cache alive
+                target.release()
+                result.total_s = clock() - start
 
 
-def decode(target: TargetModel, proposer: Proposer, inputs: ModelInputs, *, max_new_tokens: int = 128,
+def decode(target: Target, proposer: Proposer, inputs: ModelInputs | Sequence[int], *, max_new_tokens: int = 128,
            eos_token_ids: Sequence[int] | None = None, cost: CostProfile | None = None,
            sampling: Sampling | None = None) -> GenerationResult:
     """Generation of at most ``max_new_tokens`` tokens, stopping after any EOS token. Greedy

@@ -9,15 +9,28 @@
 them to the callable, which runs RECAP's loop on the model the user already loaded. It
 honours the generation config's greedy or sampling settings (temperature, top-k, top-p; the
 seed comes from torch's global generator, so ``torch.manual_seed`` makes a run repeatable),
-the token limit, EOS and ``streamer``, and returns what ``generate`` returns. It refuses,
-with a clear error, what it cannot do exactly: batches, beam search, and logits processors
-that depend on the sequence (repetition penalty and the like), which would need each tree
-node's own path.
+the token limit, EOS, ``max_time`` (as transformers' ``MaxTimeCriteria``: it stops after
+the step that ran past it, so the output is a prefix of the full answer) and ``streamer``,
+and returns what ``generate`` returns. It refuses, with a clear error, what it cannot do
+exactly: batches, beam search, and logits processors that depend on the sequence
+(repetition penalty and the like), which would need each tree node's own path.
+
+A cost-aware method (``recap``) sizes its trees with the model's verify-cost profile. Unless
+``cost_profile`` is given, the first call measures it on this machine (~15 s) and caches it
+under ``$RECAP_CACHE/profiles`` (default ``~/.cache/recap``), with a warning saying so.
+
+The callable holds a wrapped model only as long as the caller does (weakly between calls),
+so dropping a model frees it even while the callable lives on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
+import warnings
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -26,6 +39,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopK
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, MaxTimeCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from recap.core import CostProfile
 from recap.decoding import Decoding
 from recap.errors import InputError
 from recap.proposers import Proposer, make_proposer
@@ -41,12 +55,18 @@ DROPPED = ("cache", "past_key_values", "use_cache", "logits_to_keep", "cache_pos
 class RecapGenerate:
     """The callable handed to ``model.generate(custom_generate=...)``; one drafting stream."""
 
-    def __init__(self, method: str | Proposer = "recap", *, kernels: str = "auto", **options):
+    def __init__(self, method: str | Proposer = "recap", *, kernels: str = "auto",
+                 cost_profile: str | os.PathLike | CostProfile | None = None, **options):
         self.proposer = make_proposer(method, **options) if isinstance(method, str) else method
         self.kernels = kernels
         """Decode-step path (`TargetModel.use_kernels`): ``stock`` reproduces ``generate``
         token for token; ``fast`` (auto on supported CPU models) agrees with it up to near-ties."""
-        self._targets: dict[int, TargetModel] = {}
+        self.cost_profile = cost_profile
+        """The verify-cost profile (`TargetModel.use_cost_profile`): ``flat``, a file from
+        ``recap calibrate`` or a `CostProfile`; None or ``auto``: cached, or measured once."""
+        self._targets: weakref.WeakKeyDictionary[torch.nn.Module, TargetModel] = weakref.WeakKeyDictionary()
+        """Each model's wrapper, detached from its model between calls (`_attached`), so the
+        entry (and the wrapper's views of the weights) goes when the caller drops the model."""
         self.last = None
         """The `GenerationResult` of the latest call (tau, iterations, timings)."""
 
@@ -69,9 +89,14 @@ class RecapGenerate:
         stops = [type(c).__name__ for c in stopping_criteria if not isinstance(c, STOPS)]
         if stops:
             raise InputError(f"RECAP does not support the stopping criteria {', '.join(stops)}")
+        timers = [c for c in stopping_criteria if isinstance(c, MaxTimeCriteria)]
         if streamer is None:
             streamer = _generate_streamer()
-        target = self._target(model)
+        with self._attached(model) as target:
+            return self._generate(target, input_ids, generation_config, streamer, timers, model_kwargs)
+
+    def _generate(self, target: TargetModel, input_ids: torch.LongTensor, generation_config, streamer: Any | None,
+                  timers: list[MaxTimeCriteria], model_kwargs: dict[str, Any]):
         prompt_len = input_ids.shape[1]
         max_new_tokens = int(generation_config.max_length) - prompt_len
         if max_new_tokens < 1:
@@ -92,11 +117,19 @@ class RecapGenerate:
         eos = generation_config.eos_token_id
         eos = [] if eos is None else [int(e) for e in (eos.tolist() if torch.is_tensor(eos) else
                                                      (eos if isinstance(eos, (list, tuple)) else [eos]))]
+        self._announce_measurement(target)
         decoding = Decoding(target, self.proposer, inputs, max_new_tokens=max_new_tokens, eos_token_ids=eos,
                             sampling=sampling)
-        for step in decoding:
-            if streamer is not None:
-                streamer.put(torch.tensor(step.tokens, dtype=input_ids.dtype))
+        steps = iter(decoding)
+        try:
+            for step in steps:
+                if streamer is not None:
+                    streamer.put(torch.tensor(step.tokens, dtype=input_ids.dtype))
+                # max_time as generate's own loop applies it: checked after every committed step
+                if any(bool(timer(input_ids, None).any()) for timer in timers):
+                    break
+        finally:
+            steps.close()
         if streamer is not None:
             streamer.end()
         self.last = decoding.result
@@ -106,11 +139,37 @@ class RecapGenerate:
             return GenerateDecoderOnlyOutput(sequences=sequences)
         return sequences
 
-    def _target(self, model) -> TargetModel:
-        key = id(model)
-        if key not in self._targets:
-            self._targets[key] = wrap(model, None, kernels=self.kernels)
-        return self._targets[key]
+    @contextlib.contextmanager
+    def _attached(self, model: torch.nn.Module) -> Iterator[TargetModel]:
+        """The model's wrapper (made at its first call), holding the model only during the call:
+        the wrapper keeps no other reference to the top-level module, so between calls nothing
+        here keeps the caller's model alive and the weak entry goes with it."""
+        target = self._targets.get(model)
+        if target is None:
+            target = wrap(model, None, kernels=self.kernels)
+            if self.cost_profile is not None:
+                target.use_cost_profile(self.cost_profile)
+            self._targets[model] = target
+        target.model = model
+        try:
+            yield target
+        finally:
+            target.model = None
+
+    def _announce_measurement(self, target: TargetModel) -> None:
+        """Warn before the first cost-aware call measures the verify cost (~15 s) and writes
+        its cache file: what happens, where, and how to avoid it."""
+        if self.cost_profile not in (None, "auto") or target.cost_profile is not None \
+                or not self.proposer.wants_cost:
+            return
+        from recap.target.profile import profile_key, profile_path
+
+        path = profile_path(profile_key(target))
+        if not path.exists():
+            warnings.warn(f"recap: measuring the verify cost of {target.name} on this machine once (~15 s) and "
+                          f"caching it in {path.parent} (the folder is $RECAP_CACHE/profiles, default "
+                          "~/.cache/recap/profiles); pass custom_generate(..., cost_profile='flat' or a file from "
+                          "`recap calibrate`) to skip it, or set RECAP_CACHE to cache elsewhere", stacklevel=4)
 
 
 def _generate_streamer():
@@ -128,8 +187,11 @@ def _generate_streamer():
         del frame
 
 
-def custom_generate(method: str | Proposer = "recap", *, kernels: str = "auto", **options) -> RecapGenerate:
+def custom_generate(method: str | Proposer = "recap", *, kernels: str = "auto",
+                    cost_profile: str | os.PathLike | CostProfile | None = None, **options) -> RecapGenerate:
     """A callable for ``model.generate(custom_generate=...)`` drafting with ``method`` (a
     name, with proposer ``options``, or a proposer object). Keep it across calls: it is one
-    stream, and it learns from each request."""
-    return RecapGenerate(method, kernels=kernels, **options)
+    stream, and it learns from each request. ``cost_profile``: ``flat``, a profile file
+    (``recap calibrate``) or a `CostProfile`; by default the cached one, measured (~15 s)
+    and cached under ``$RECAP_CACHE`` at the first cost-aware call."""
+    return RecapGenerate(method, kernels=kernels, cost_profile=cost_profile, **options)

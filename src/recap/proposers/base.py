@@ -17,9 +17,22 @@ class Proposer(Protocol):
     """Lifecycle per request: ``begin_request``, then ``propose``/``observe`` per iteration,
     then ``end_request``. One proposer object is one *stream*: state that outlives a request
     (RECAP's U, Token Recycling's matrix) stays on the object until ``reset_stream``;
-    request-local state is reset in ``begin_request``."""
+    request-local state is reset in ``begin_request``.
+
+    Besides the lifecycle, a proposer declares what it asks of the loop (`recap.decoding`),
+    which reads these members and never probes for others; `BaseProposer` gives every one a
+    default, so a method only sets what it needs."""
 
     name: str
+    stream_state: bool
+    """True when state outlives a request (cleared by ``reset_stream``)."""
+    wants_cost: bool
+    """True: the loop hands ``propose`` the target's verify-cost profile in ``StepLimits.cost``
+    (measured once if the target has none yet) and corrects it online with every step's time."""
+    wants_image_attention: bool
+    """True: the loop turns the target's image-attention capture on for the request, so
+    ``PromptRows.image_attention`` and ``VerifiedTree.image_attention`` carry the measurement
+    (None where the prompt has no image or the target cannot capture)."""
 
     def begin_request(self, prompt: PromptRows) -> None: ...
 
@@ -31,14 +44,26 @@ class Proposer(Protocol):
 
     def reset_stream(self) -> None: ...
 
+    def set_reference(self, reference: Sequence[int]) -> None:
+        """The output the target is expected to produce (prompt + answer), given by
+        `recap.check` before each case; only oracle test drafters use it."""
+
+    def stage_times(self) -> dict[str, dict[str, float]]:
+        """Seconds of the named parts of the latest ``propose`` and ``observe`` call, by call
+        (``{"propose": {...}, "observe": {...}}``), as the method itself timed them; empty
+        for methods that do not time their parts. `recap overhead` reports them."""
+
 
 class BaseProposer:
-    """No-op lifecycle hooks, so a method only writes what it needs."""
+    """Defaults for everything `Proposer` declares: no-op lifecycle hooks, nothing asked of
+    the loop, so a method only writes what it needs."""
 
     name = "base"
     stream_state = False
     """True when state outlives a request (cleared by ``reset_stream``): RECAP's U, Token
     Recycling's matrix, Lookahead's output trie. Benchmarks checkpoint such streams."""
+    wants_cost = False
+    wants_image_attention = False
 
     def begin_request(self, prompt: PromptRows) -> None:
         self.prompt = prompt
@@ -54,6 +79,12 @@ class BaseProposer:
 
     def reset_stream(self) -> None:
         """Forget state carried across requests (a new stream starts)."""
+
+    def set_reference(self, reference: Sequence[int]) -> None:
+        """Ignored: only drafters that exist to test verification read the expected output."""
+
+    def stage_times(self) -> dict[str, dict[str, float]]:
+        return {}
 
 
 class AutoregressiveProposer(BaseProposer):

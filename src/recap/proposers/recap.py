@@ -2,6 +2,8 @@
 
 propose: best-first tree over fused memory rows + suffix-automaton continuations.
 observe: every evaluated node's row refreshes U, C and G; committed tokens extend the automaton.
+Memory, fusion and the tree search run compiled, in RECAP's one engine (`recap.core.fast`);
+its readable pure-Python oracle is ``tests/reference_recap.py``.
 
 Two configurations share this code:
 
@@ -23,25 +25,21 @@ store persist across its requests; C/G and the automaton are per request.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from os import PathLike
 
 import numpy as np
 
-from recap.core import ROOT, DraftTree, PromptRows, StepLimits, TreeBuilder, VerifiedTree
-from recap.core.calibration import REQUEST, STORE, AcceptanceCalibrator, continuation_cells, recycled_cells
-from recap.core.chooser import Candidates, ChosenTree, choose
-from recap.core.fast import FastMemory, context_of
-from recap.core.fusion import FUSION_MODES, PRIORS, fuse
-from recap.core.memory import PredictionMemory
+from recap.core import ROOT, DraftTree, PromptRows, StepLimits, VerifiedTree
+from recap.core.calibration import LEGACY_CELLS, REQUEST, STORE, AcceptanceCalibrator, is_recycled, recycled_cells
+from recap.core.chooser import Candidates, ChosenSizes, ChosenTree, choose
+from recap.core.fast import FUSION_MODES, PRIORS, FastMemory, context_of
 from recap.core.store import OutputStore
 from recap.core.suffix import SuffixAutomaton
+from recap.core.timing import StageTimer
 from recap.errors import InputError
 from recap.proposers.base import BaseProposer
-
-ENGINES = ("numba", "python")
 
 
 @dataclass(frozen=True)
@@ -61,18 +59,18 @@ class RecapConfig:
     persistent_unigram: bool = True
     persistent_context: bool = False
     """Keep C/G across requests too (an ablation: their rows then alias across images)."""
-    engine: str = "numba"
-    """``numba``: memory, fusion and tree search compiled (`recap.core.fast`), what users run;
-    ``python``: the readable reference kept as the oracle of the tests (same trees)."""
     cost_aware: bool = True
     """Choose each step's tree size from the verify-cost profile; False: always draft
     ``budget`` candidates (plus the continuation), as the paper does."""
     calibration: bool = True
     """Learn acceptance probabilities online; False: keep the conservative priors."""
     long_continuation: bool = True
-    """Continuations of clamp(4 x match length, 2, ``max_continuation``) tokens; False:
-    ``suffix_tokens``."""
-    max_continuation: int = 40
+    """Continuations of clamp(4 x match length, 2, ``max_continuation``) tokens, never
+    longer than the request's remaining tokens can use (the chooser then prices each token
+    by the measured verify cost); False: ``suffix_tokens``."""
+    max_continuation: int = 256
+    """Ceiling of a continuation (host work stays bounded); the remaining budget usually
+    binds first."""
     stream_store: bool = True
     """Also draft continuations from the stream's earlier outputs."""
     store_tokens: int = 16384
@@ -82,8 +80,6 @@ class RecapConfig:
     request, the rows whose token was least recently in a request's text are evicted."""
 
     def __post_init__(self) -> None:
-        if self.engine not in ENGINES:
-            raise InputError(f"unknown engine {self.engine!r}; choose one of: {', '.join(ENGINES)}")
         if self.fusion not in FUSION_MODES:
             raise InputError(f"unknown fusion mode {self.fusion!r}; choose one of: {', '.join(FUSION_MODES)}")
         for name in ("top_k", "width", "max_depth"):
@@ -101,20 +97,24 @@ class RecapConfig:
         """Whether drafts carry acceptance estimates (anything beyond the paper's tree)."""
         return self.cost_aware or self.long_continuation or self.stream_store
 
-    def continuation_length(self, match_length: int) -> int:
+    def continuation_length(self, match_length: int, room: int | None = None) -> int:
+        """Chain tokens a match of ``match_length`` earns; ``room``: the deepest draft the
+        request can still use (remaining tokens - 1), None when not known."""
         if not self.long_continuation:
             return self.suffix_tokens if self.suffix_tokens else 0
-        return max(2, min(self.max_continuation, 4 * match_length))
+        length = max(2, min(self.max_continuation, 4 * match_length))
+        return length if room is None else max(0, min(length, room))
 
     def depth_prior(self, depth: int) -> float:
         return self.depth_priors[depth - 1] if depth <= len(self.depth_priors) else self.tail_depth_prior
 
 
 REQUEST_PSEUDO = 4.0
-"""Pseudo-count of the request-level correction: within a request every estimate is scaled by
-(accepted + 4) / (predicted + 4), summed over the request's labelled nodes so far, so a
-request whose drafts keep failing (or succeeding) shifts its own estimates quickly while
-the stream's calibration cells move slowly for all requests."""
+"""Pseudo-count of the request-level correction: within a request every recycled estimate is
+scaled by (accepted + 4) / (predicted + 4), summed over the request's labelled recycled nodes
+so far, so a request whose recycled drafts keep failing (or succeeding) shifts its own
+estimates quickly while the stream's calibration cells move slowly for all requests.
+Continuations are left out: their evidence is their own (match length, run so far)."""
 
 PAPER = RecapConfig(cost_aware=False, calibration=False, long_continuation=False, stream_store=False)
 """The paper's exact configuration (``recap-paper``): fixed 63 candidates, 4-token suffix."""
@@ -151,17 +151,16 @@ class RecapProposer(BaseProposer):
                 raise InputError(f"unknown ablation {ablation!r}; choose one of: {', '.join(ABLATIONS)}")
             config = replace(config, **ABLATIONS[ablation])
         self.config = replace(config, **overrides) if overrides else config
-        self.memory: PredictionMemory | FastMemory | None = PredictionMemory() if self.config.engine == "python" \
-            else None  # the compiled memory needs the vocabulary size: made at the first request
+        self.memory: FastMemory | None = None  # it needs the vocabulary size: made at the first request
         self.automaton = SuffixAutomaton()
         self.vocab_size: int | None = None
         self._excluded: frozenset[int] = frozenset()
         self._excluded_mask: np.ndarray | None = None
-        self._context: list[int] = []
+        self._context: tuple[int, int, int] = (-1, -1, -1)
+        """(u, v, x): the last three tokens of the history at the latest propose, -1 before its start."""
         self._pending_memory = None
-        self._fusion_cache: dict[tuple, tuple] = {}
-        self._etas = [0.0] + [self.config.depth_prior(d) for d in range(1, self.config.max_depth + 1)]
-        self._eta_array = np.array(self._etas, dtype=np.float64)
+        self._eta_array = np.array([0.0] + [self.config.depth_prior(d) for d in range(1, self.config.max_depth + 1)],
+                                   dtype=np.float64)
         self._prior_array = np.array(self.config.priors, dtype=np.float64)
         self.wants_cost = self.config.cost_aware
         self.calibrator = AcceptanceCalibrator(enabled=self.config.calibration)
@@ -172,8 +171,10 @@ class RecapProposer(BaseProposer):
         self._request_expected = 0.0
         self._request_accepted = 0
         self._factor = 1.0
-        self.chosen_sizes: list[int] = []
-        """Draft nodes chosen at each step of the stream (cost-aware configurations)."""
+        self._stages = StageTimer()
+        self.chosen_sizes = ChosenSizes()
+        """Draft nodes chosen at each step of the stream (cost-aware configurations): the
+        latest steps and running totals, bounded for a stream that lives as long as a server."""
         self._last_seen: dict[int, int] = {}
         """token -> the last request whose text held it (eviction order of U)."""
         self._requests = 0
@@ -187,25 +188,25 @@ class RecapProposer(BaseProposer):
             self.memory.reset_stream()
         self.calibrator.reset()
         self.store.clear()
-        self.chosen_sizes = []
+        self.chosen_sizes.clear()
         self._last_seen.clear()
+        self._requests = 0
 
     def begin_request(self, prompt: PromptRows) -> None:
-        self.prompt = prompt
-        if self.config.engine == "numba" and (self.memory is None or self.vocab_size != prompt.vocab_size):
+        saved, self._pending_memory = self._pending_memory, None  # a file that fails is reported once
+        if saved is not None:
+            self._validate(saved, prompt.vocab_size)  # before anything changes: no half-installed stream
+        if self.memory is None or self.vocab_size != prompt.vocab_size:
             self.memory = FastMemory(prompt.vocab_size, self.config.top_k)  # another vocabulary: a new stream
         self.vocab_size = prompt.vocab_size
-        if self._pending_memory is not None:
-            self._install(self._pending_memory, prompt.vocab_size)
-            self._pending_memory = None
+        if saved is not None:
+            self._install(saved, prompt.vocab_size)
+        self.prompt = prompt
         if not self.config.persistent_unigram:
             self.memory.reset_stream()
         elif not self.config.persistent_context:
             self.memory.reset_request()
-        if isinstance(self.memory, FastMemory):
-            self.memory.seed_from_prompt(prompt.ids, prompt.topk_ids, prompt.topk_logits, prompt.eligible)
-        else:
-            self.memory.seed_from_prompt(prompt)
+        self.memory.seed_from_prompt(prompt.ids, prompt.topk_ids, prompt.topk_logits, prompt.eligible)
         if prompt.excluded_tokens != self._excluded or self._excluded_mask is None:
             self._excluded = prompt.excluded_tokens
             self._excluded_mask = None
@@ -254,19 +255,39 @@ class RecapProposer(BaseProposer):
         """Rows held by (U, C, G)."""
         if self.memory is None:
             return 0, 0, 0
-        if isinstance(self.memory, FastMemory):
-            return self.memory.counts()
-        return len(self.memory.unigram), len(self.memory.bigram), len(self.memory.trigram)
+        return self.memory.counts()
 
     # ------------------------------------------------------------------ drafting
     def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree:
+        """The step's tree. Its parts are timed on the proposer itself (`stage_times`): the
+        paper's tree as ``search`` and ``suffix``, the cost-aware one as ``candidates`` and
+        ``choice``."""
+        stages = self._stages
+        stages.begin("propose")
         self.sync_automaton(history)
-        self._context = list(history[-3:])
+        self._context = context_of(history)
         if not self.config.scored:  # the paper's tree
+            stages.lap("suffix")
             tokens, parents, depths, _ = self.search(self._context)
+            stages.lap("search")
             self.add_suffix(tokens, parents, depths)
-            return DraftTree._trusted(tokens, parents, depths)
-        return self.select(self.candidates(history), limits)
+            stages.lap("suffix")
+            tree = DraftTree._trusted(tokens, parents, depths)
+            stages.lap("search")
+            return tree
+        candidates = self.candidates(history, limits.remaining if limits is not None else None)
+        stages.lap("candidates")
+        tree = self.select(candidates, limits)
+        stages.lap("choice")
+        return tree
+
+    def stage_times(self) -> dict[str, dict[str, float]]:
+        """Seconds of the parts of the latest ``propose`` (``search``: lookup, fusion and the
+        best-first search in one compiled call, plus the tree's construction; ``suffix``:
+        automaton sync and the continuation's insertion; or ``candidates`` and ``choice``)
+        and ``observe`` (``refresh`` of U/C/G; ``automaton``: the automaton, output and
+        calibration updates)."""
+        return self._stages.last
 
     def select(self, candidates: Candidates, limits: StepLimits | None) -> DraftTree:
         """The step's tree: the cost-optimal prefix of the candidates (`recap.core.chooser`);
@@ -276,42 +297,45 @@ class RecapProposer(BaseProposer):
         cap = self.config.budget if cost is None else None
         if limits is not None and limits.max_nodes is not None:
             cap = limits.max_nodes if cap is None else min(cap, limits.max_nodes)
-        factor = (self._request_accepted + REQUEST_PSEUDO) / (self._request_expected + REQUEST_PSEUDO) \
-            if self.config.calibration else 1.0
-        if factor != 1.0:
-            candidates.scale(factor)
-        self._factor = factor
-        tree, chosen = choose(candidates, cost, context_len, cap)
+        max_depth = limits.remaining - 1 if limits is not None and limits.remaining is not None else None
+        tree, chosen = choose(candidates, cost, context_len, cap, max_depth)
         self._pending = chosen
         self.chosen_sizes.append(len(tree))
         return tree
 
-    def candidates(self, history: Sequence[int]) -> Candidates:
+    def candidates(self, history: Sequence[int], remaining: int | None = None) -> Candidates:
         """Every node this step could draft, with its acceptance estimate: the recycled
-        tree, then the request's and the store's continuations merged into it."""
+        tree, then the request's and the store's continuations merged into it (no longer
+        than the ``remaining`` tokens the request may still commit can use)."""
         config = self.config
         calibrator = self.calibrator
-        if isinstance(self.memory, FastMemory):
-            tokens, parents, depths, q = self.memory.build_tree(
-                context_of(self._context), config.budget, config.max_depth, config.width, config.top_k,
-                self._eta_array, self._prior_array, config.fusion, self._excluded_mask)
-        else:
-            tokens, parents, depths, q = (np.asarray(a) for a in self.search(self._context))
-            q = q.astype(np.float64)
-        candidates = Candidates(tokens, parents, depths, calibrator.recycled(q, depths), recycled_cells(q, depths))
+        tokens, parents, depths, q = self.memory.build_tree(
+            self._context, config.budget, config.max_depth, config.width, config.top_k, self._eta_array,
+            self._prior_array, config.fusion, self._excluded_mask)
+        recycled = calibrator.recycled(q, depths)
+        # The request's correction is learned on recycled nodes and applied to them only: a
+        # factor per node compounds along a path, so on a 30-token chain 0.95 would be 0.2.
+        factor = (self._request_accepted + REQUEST_PSEUDO) / (self._request_expected + REQUEST_PSEUDO) \
+            if config.calibration else 1.0
+        self._factor = factor
+        if factor != 1.0:
+            recycled = np.minimum(recycled * factor, 0.999)
+        candidates = Candidates(tokens, parents, depths, recycled, recycled_cells(q, depths))
+        room = remaining - 1 if remaining is not None else None
         if self._continues:
             length, end = self.automaton.longest_match()
             if length:
-                chain = self._clean(self.automaton.tokens[end + 1 : end + 1 + config.continuation_length(length)])
-                cells = continuation_cells(REQUEST, length, np.arange(1, len(chain) + 1))
-                candidates.add_chain(chain, calibrator.estimate(cells), cells)
+                size = config.continuation_length(length, room)
+                chain = self._clean(self.automaton.tokens[end + 1 : end + 1 + size])
+                probs, cells = calibrator.continuation(REQUEST, length, np.arange(1, len(chain) + 1))
+                candidates.add_chain(chain, probs, cells)
         if config.stream_store and len(self.store):
             self._store_match.sync(history)
-            length, chain = self._store_match.continuation(config.max_continuation)
+            length, chain = self._store_match.continuation(config.continuation_length(1 << 20, room))
             if length:
-                chain = self._clean(chain[: config.continuation_length(length)])
-                cells = continuation_cells(STORE, length, np.arange(1, len(chain) + 1))
-                candidates.add_chain(chain, calibrator.estimate(cells), cells)
+                chain = self._clean(chain[: config.continuation_length(length, room)])
+                probs, cells = calibrator.continuation(STORE, length, np.arange(1, len(chain) + 1))
+                candidates.add_chain(chain, probs, cells)
         return candidates
 
     def _clean(self, chain: Sequence[int]) -> list[int]:
@@ -331,17 +355,15 @@ class RecapProposer(BaseProposer):
         if self.config.scored:
             self._generated.extend(history[len(self.prompt.ids) + len(self._generated):])
 
-    def search(self, context: Sequence[int]) -> tuple[list[int], list[int], list[int], list[float]]:
-        """Lookup + fusion + best-first search: (tokens, parents, depths, q) of the tree, q
+    def search(self, context: tuple[int, int, int]) -> tuple[list[int], list[int], list[int], list[float]]:
+        """Lookup + fusion + best-first search after ``context`` (`context_of`) in one compiled
+        call (`FastMemory.build_tree`): (tokens, parents, depths, q) of the tree as lists, q
         the fused probability of each node's token under its parent's context."""
         config = self.config
-        if isinstance(self.memory, FastMemory):
-            tokens, parents, depths, q = self.memory.build_tree(
-                context_of(context), config.budget, config.max_depth, config.width, config.top_k, self._eta_array,
-                self._prior_array, config.fusion, self._excluded_mask)
-            return tokens.tolist(), parents.tolist(), depths.tolist(), q.tolist()
-        builder, q = self.build_tree(context)
-        return builder.tokens, builder.parents, builder.depths, q
+        tokens, parents, depths, q = self.memory.build_tree(
+            context, config.budget, config.max_depth, config.width, config.top_k, self._eta_array,
+            self._prior_array, config.fusion, self._excluded_mask)
+        return tokens.tolist(), parents.tolist(), depths.tolist(), q.tolist()
 
     def add_suffix(self, tokens: list[int], parents: list[int], depths: list[int]) -> None:
         """Insert the automaton's continuation along a root path, reusing existing nodes;
@@ -367,85 +389,14 @@ class RecapProposer(BaseProposer):
                 index[(parent, token)] = node
             parent = node
 
-    def fused(self, u: int | None, v: int | None, x: int) -> tuple[Sequence[int], Sequence[float]]:
-        """q(. | ..., u, v, x): retrieval and fusion for one path context, image tokens removed,
-        at most ``width`` children. Memoised per context within one `build_tree` call (the
-        memory does not change during a proposal)."""
-        key = (u, v, x)
-        cached = self._fusion_cache.get(key)
-        if cached is not None:
-            return cached
-        memory = self.memory
-        if self.config.fusion == "unigram":
-            row = memory.unigram.get(x)
-            rows = [row] if row is not None else []
-        else:
-            rows = memory.lookup(u, v, x)
-        config = self.config
-        tokens, probs = fuse(rows, config.top_k, config.fusion, config.priors)
-        if (self._excluded and not self._excluded.isdisjoint(tokens)) or len(set(tokens)) < len(tokens):
-            # no image tokens, and each token once (a loaded row can pad with repeated ids)
-            seen: set[int] = set()
-            kept = []
-            for t, p in zip(tokens, probs):
-                if t not in self._excluded and t not in seen:
-                    seen.add(t)
-                    kept.append((t, p))
-            tokens, probs = [t for t, _ in kept], [p for _, p in kept]
-        if len(tokens) > config.width:
-            tokens, probs = tokens[: config.width], probs[: config.width]
-        self._fusion_cache[key] = (tokens, probs)
-        return tokens, probs
-
-    def build_tree(self, context: Sequence[int]) -> tuple[TreeBuilder, list[float]]:
-        """Best-first expansion by path score prod_j eta_j q(z_j | h_j).
-
-        Children of a node are sorted by q, so the heap only ever holds, per expanded node,
-        its best not-yet-added child: popping a child pushes its next sibling and its own
-        first child. ``fused`` keeps each child token once, so no duplicate check is needed
-        (a repeated child would re-expand the same subtree again and again).
-        """
-        config = self.config
-        etas = self._etas
-        self._fusion_cache.clear()
-        padded = [None, None, *context][-3:]
-        root_context = (padded[0], padded[1], padded[2])
-        fused = self.fused
-        builder = TreeBuilder()
-        add = builder.add
-        qs: list[float] = []
-        heap: list[tuple[float, int, int, tuple, int, float, int, Sequence[int], Sequence[float]]] = []
-        push, pop = heapq.heappush, heapq.heappop
-        tokens, probs = fused(*root_context)
-        if tokens:
-            heap.append((-etas[1] * probs[0], 0, ROOT, root_context, 0, 1.0, 1, tokens, probs))
-        counter = 0
-        budget, max_depth = config.budget, config.max_depth
-        while heap and len(builder.tokens) < budget:
-            negative, _, parent, parent_context, index, parent_score, depth, tokens, probs = pop(heap)
-            token = tokens[index]
-            known = len(builder.tokens)
-            node = add(parent, token)
-            if len(builder.tokens) > known:  # a repeated token in a row reuses its node: one q per node
-                qs.append(probs[index])
-            counter += 1
-            if index + 1 < len(tokens):
-                sibling = parent_score * etas[depth] * probs[index + 1]
-                push(heap, (-sibling, counter, parent, parent_context, index + 1, parent_score, depth, tokens, probs))
-            if depth < max_depth:
-                child_context = (parent_context[1], parent_context[2], token)
-                child_tokens, child_probs = fused(*child_context)
-                if child_tokens:
-                    counter += 1
-                    score = -negative
-                    push(heap, (-score * etas[depth + 1] * child_probs[0], counter, node, child_context, 0, score,
-                                depth + 1, child_tokens, child_probs))
-        return builder, qs
-
     # ------------------------------------------------------------------ learning
     def observe(self, step: VerifiedTree) -> None:
+        stages = self._stages
+        stages.begin("observe")
         self.refresh(step)
+        stages.lap("refresh")
         self.absorb(step)
+        stages.lap("automaton")
 
     def absorb(self, step: VerifiedTree) -> None:
         """What a step teaches besides the rows: the committed text (automaton, output) and
@@ -473,50 +424,75 @@ class RecapProposer(BaseProposer):
         labelled = accepted[step.tree.parents + 1]
         outcome = accepted[1:][labelled]
         self.calibrator.record(chosen.probs[labelled], outcome)
-        self._request_expected += float(chosen.probs[labelled].sum()) / self._factor
-        self._request_accepted += int(outcome.sum())
+        # The request's correction learns from nodes only the recycled tree offered (their
+        # estimate is the corrected recycled one), as it is applied to those only.
+        only_recycled = is_recycled(chosen.cell_array[:, 0]) & (chosen.cell_array[:, 1] < 0)
+        mine = labelled & only_recycled
+        self._request_expected += float(chosen.probs[mine].sum()) / self._factor
+        self._request_accepted += int(accepted[1:][mine].sum())
         cells, repeats = chosen.labelled_cells(labelled)
         self.calibrator.update(cells, np.repeat(outcome, repeats))
 
     def refresh(self, step: VerifiedTree) -> None:
         """Every evaluated node's row into U, C and G under its own path context."""
-        contextual = self.config.fusion != "unigram"
-        if isinstance(self.memory, FastMemory):
-            self.memory.refresh(context_of(self._context), step.tree.tokens, step.tree.parents, step.topk_ids,
-                                step.topk_logits, contextual)
-        else:
-            self.memory.refresh(self._context, step, contextual=contextual)
+        self.memory.refresh(self._context, step.tree.tokens, step.tree.parents, step.topk_ids, step.topk_logits,
+                            self.config.fusion != "unigram")
 
     # ------------------------------------------------------------------ persistence
     def save_memory(self, path: str | PathLike) -> None:
-        """Write the stream's persistent state to ``path``: U, the output store and the
-        calibration counts (see `recap.core.persistence`; atomic, durable)."""
+        """Write the stream's persistent state to ``path``: U, the output store, the
+        calibration counts and each token's last request (the memory bound's eviction order,
+        so a restart keeps evicting the least recently seen); see `recap.core.persistence`
+        (atomic, durable)."""
         from recap.core.persistence import save_token_memory
 
         if self.vocab_size is None or self.memory is None:
             raise InputError("nothing to save yet: the memory's vocabulary is known after the first request")
         calibration = (self.calibrator.trials, self.calibrator.accepts) if self.config.calibration else None
+        seen = np.fromiter(self._last_seen.items(), dtype=np.dtype((np.int64, 2)), count=len(self._last_seen))
         save_token_memory(path, *self.memory.unigram_arrays(), vocab_size=self.vocab_size,
-                          store=np.asarray(self.store.flat(), dtype=np.int64), calibration=calibration)
+                          store=np.asarray(self.store.flat(), dtype=np.int64), calibration=calibration,
+                          last_seen=(seen[:, 0], seen[:, 1]))
 
     def load_memory(self, path: str | PathLike) -> None:
-        """Read a memory file now (errors surface here); it is installed at the next request,
-        once the target's vocabulary is known and checked."""
+        """Read and check a memory file now: every error (damage, rows wider than ``top_k``,
+        calibration counts for other cells) surfaces here as `MemoryFileError`, before the
+        stream changes; it is installed at the next request, once the target's vocabulary is
+        known and checked."""
         from recap.core.persistence import read_token_memory
 
-        self._pending_memory = read_token_memory(path)
+        saved = read_token_memory(path)
+        self._validate(saved, None)
+        self._pending_memory = saved
 
-    def _install(self, saved, vocab_size: int) -> None:
+    def _validate(self, saved, vocab_size: int | None) -> None:
+        """Raise `MemoryFileError` if ``saved`` cannot be installed whole into this stream
+        (``vocab_size`` None: not known yet), so a bad file never leaves a half-installed one."""
         from recap.core.persistence import MemoryFileError
 
+        if vocab_size is not None and vocab_size != saved.vocab_size:
+            raise MemoryFileError(f"memory file {saved.path} was made for a vocabulary of {saved.vocab_size} tokens; "
+                                  f"this model has {vocab_size}")
+        if len(saved.keys) and not 1 <= saved.ids.shape[1] <= self.config.top_k:
+            raise MemoryFileError(f"memory file {saved.path} holds rows of {saved.ids.shape[1]} predictions; this "
+                                  f"RECAP keeps {self.config.top_k} (top_k)")
+        if saved.calibration is not None and self.config.calibration:
+            cells, found = self.calibrator.trials.shape[0], saved.calibration[0].shape[0]
+            if found not in (cells, LEGACY_CELLS):  # legacy: recycled counts kept
+                raise MemoryFileError(f"memory file {saved.path}: calibration counts for {found} cells; this RECAP "
+                                      f"has {cells}")
+
+    def _install(self, saved, vocab_size: int) -> None:
+        """Install a file `_validate` accepted (nothing in it can fail half-way)."""
         saved.install(self.memory, vocab_size)
         if self.config.stream_store:
             self.store.restore(saved.store.tolist())
         if saved.calibration is not None and self.config.calibration:
-            try:
-                self.calibrator.restore(*saved.calibration)
-            except ValueError as error:
-                raise MemoryFileError(f"memory file {saved.path}: {error}") from None
+            self.calibrator.restore(*saved.calibration)
+        if saved.last_seen is not None:
+            tokens, requests = saved.last_seen
+            self._last_seen = dict(zip(tokens.tolist(), requests.tolist()))
+            self._requests = max(self._requests, int(requests.max(initial=0)))
 
 
 class RecapPaperProposer(RecapProposer):

@@ -1,33 +1,59 @@
 """The HTTP side: OpenAI-compatible chat completions, models, health, metrics, playground.
 
 Every error is ``{"error": {"message", "type", "code"}}`` with its status; a 500 never shows
-a traceback. Requests are validated and their inputs prepared here (so a bad request is
-answered at once), then queued for the single decoding thread (`recap.serve.engine`).
+a traceback, and no message shows a server path. A chat request is admitted before any work
+that costs: the origin (keyless servers), the key, the content type, a queue slot, then the
+body, read as it streams in and cut off at its limit; only then is its JSON parsed, its
+model name checked, its image decoded and its prompt tokenised (one request at a time), and
+the prepared job queued for the single decoding thread (`recap.serve.engine`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
+import os
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
+from pathlib import Path
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from recap.errors import InputError
-from recap.serve.chat import ApiError, chunk, completion, completion_id, finish_reason, parse_chat_request
+from recap.serve.chat import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    ApiError,
+    ChatRequest,
+    ImagePolicy,
+    check_image_url,
+    chunk,
+    completion,
+    completion_id,
+    finish_reason,
+    parse_chat_request,
+    parse_json_body,
+    read_image_url,
+)
 from recap.serve.engine import Engine, Job, QueueFull
 from recap.serve.metrics import Metrics
-from recap.serve.tenants import TenantStreams, tenant_for
-from recap.target import TargetModel
+from recap.serve.tenants import TenantStreams, tenant_for, valid_tenant_name
+from recap.target import ModelInputs, TargetModel
 
 log = logging.getLogger("recap.serve")
+MIN_BODY_SECONDS = 1.0
+"""A body may take at least this long to arrive, however short ``request_timeout`` is: a tiny
+limit meant for decoding must not turn a body sent in two packets into a 408."""
 
 
 @dataclass
@@ -35,20 +61,180 @@ class ServerConfig:
     model_name: str
     method: str = "recap"
     api_keys: dict[str, str] | None = None
-    """key -> tenant; None: one tenant, no authentication (loopback only, checked by the CLI)."""
+    """key -> tenant; None: one tenant, no authentication, and only loopback origins and Host
+    names are answered (see `LoopbackGuard`). Tenant names are checked (`valid_tenant_name`)."""
     memory_dir: str | None = None
     memory_rows: int | None = 16384
     """Bound of each tenant's RECAP token memory (rows); None: one row per vocabulary token."""
     max_queue: int = 64
+    """Requests admitted and not yet decoding (being read, prepared or waiting) before a 429."""
     max_tokens_limit: int = 1024
     request_timeout: float = 300.0
     max_body_bytes: int = 16 * 1024 * 1024
-    allow_local_images: bool = False
+    max_image_bytes: int = MAX_IMAGE_BYTES
+    max_image_pixels: int = MAX_IMAGE_PIXELS
+    allow_local_images: str | os.PathLike | None = None
+    """A folder: ``image_url`` paths are read under it only (after resolving symlinks and
+    ``..``). None: base64 ``data:`` URLs only."""
 
 
+def _checked(config: ServerConfig) -> ImagePolicy:
+    """Refuse a config that would be unsafe or meaningless; return its image policy. Names and
+    keys given programmatically get the same checks as the keys file's."""
+    if config.api_keys is not None:
+        if not isinstance(config.api_keys, dict) or not config.api_keys:
+            raise InputError("api_keys must map at least one key to a tenant (None: a keyless loopback server)")
+        for key, tenant in config.api_keys.items():
+            if not isinstance(key, str) or len(key) < 8 or any(c.isspace() for c in key):
+                raise InputError(f"the key of tenant {str(tenant)[:64]!r} must be a string of at least 8 "
+                                 "characters without spaces")
+            if not valid_tenant_name(tenant):
+                raise InputError(f"invalid tenant name {str(tenant)[:64]!r}: letters, digits and '_.-', at most 64, "
+                                 "starting with a letter or digit")
+    for name in ("max_queue", "max_tokens_limit", "max_body_bytes", "max_image_bytes", "max_image_pixels"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
+    root = config.allow_local_images
+    if root is False:  # the old boolean's default: no local images
+        root = None
+    if root is True:
+        raise InputError("allow_local_images takes the folder local images are read from (it is no longer "
+                         "true/false)")
+    if root is not None:
+        root = Path(root).resolve()
+        if not root.is_dir():
+            raise InputError(f"allow_local_images: {config.allow_local_images} is not a folder")
+    return ImagePolicy(max_bytes=config.max_image_bytes, max_pixels=config.max_image_pixels, local_root=root)
+
+
+# ----------------------------------------------------------------------------- origin / Host
+def _loopback_host(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _split_authority(authority: str, default_port: int) -> tuple[str, int | None]:
+    """``host[:port]`` (IPv6 in brackets) -> (lower-case host, port); port None when malformed
+    (user info, a path or spaces are never in a browser's Host or Origin: refused)."""
+    if not authority or any(c in authority for c in "@/?#\\ \t"):
+        return "", None
+    parts = urlsplit(f"//{authority}")
+    try:
+        port = parts.port
+    except ValueError:
+        return "", None
+    return (parts.hostname or ""), (default_port if port is None else port)
+
+
+class LoopbackGuard:
+    """ASGI middleware for a keyless server: answer only requests addressed to this loopback
+    server. The Host header must be a loopback name or address with the server's port (a
+    DNS-rebinding page's Host is its own name), and a request that carries an Origin (browsers
+    send one with every POST and every cross-origin fetch) must come from a loopback origin on
+    the same port: the playground page served at ``/`` is one. Anything else: 403."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            reason = self.refusal(scope)
+            if reason is not None:
+                response = JSONResponse(ApiError(403, reason, type="permission_error", code="forbidden_origin").body(),
+                                        status_code=403)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def refusal(scope: Scope) -> str | None:
+        server = scope.get("server") or (None, None)
+        port = server[1]
+        hosts = [v for k, v in scope["headers"] if k == b"host"]
+        origins = [v for k, v in scope["headers"] if k == b"origin"]
+        if len(hosts) != 1:
+            return "this server answers requests to its loopback address only (one Host header)"
+        default = 443 if scope.get("scheme") == "https" else 80
+        host, host_port = _split_authority(hosts[0].decode("latin-1"), default)
+        if not _loopback_host(host) or (port is not None and host_port != port):
+            return "this server answers requests addressed to its loopback address only (Host)"
+        if len(origins) > 1:
+            return "requests from other web origins are refused"
+        if origins:
+            origin = urlsplit(origins[0].decode("latin-1"))
+            if origin.scheme not in ("http", "https") or origin.path or origin.query:
+                return "requests from other web origins are refused"
+            name, origin_port = _split_authority(origin.netloc, 443 if origin.scheme == "https" else 80)
+            if not _loopback_host(name) or (port is not None and origin_port != port):
+                return "requests from other web origins are refused"
+        return None
+
+
+# ----------------------------------------------------------------------------- admission
+class Admission:
+    """Queue slots counted from admission, so reading, parsing, image decoding and tokenising
+    are bounded by ``max_queue`` too: a request holds a slot from before its body is read until
+    the decoder's queue takes it (engine.depth) or it is refused. Used from the event loop only."""
+
+    def __init__(self, engine: Engine, max_queue: int):
+        self.engine, self.max_queue = engine, max_queue
+        self.preparing = 0
+
+    def enter(self) -> bool:
+        if self.engine.depth + self.preparing >= self.max_queue:
+            return False
+        self.preparing += 1
+        return True
+
+    def leave(self) -> None:
+        self.preparing -= 1
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The raw body, cut off as soon as it passes ``limit`` bytes, whether it declares its
+    length or streams chunked: a 413 without holding more than ``limit`` + one chunk."""
+    declared = request.headers.get("content-length")
+    if declared is not None and not (declared.isascii() and declared.isdigit() and len(declared) <= 19):
+        raise ApiError(400, "the Content-Length header is not a number")
+    too_large = ApiError(413, f"the request is larger than {limit} bytes", type="request_too_large",
+                         code="request_too_large")
+    if declared is not None and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    try:
+        async for piece in request.stream():
+            body += piece
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:
+        raise ApiError(400, "the client disconnected while sending the request") from None
+    return body
+
+
+def _json_content_type(request: Request) -> bool:
+    """``application/json`` (with any parameters): a cross-site HTML form or a no-preflight
+    fetch cannot send it, so it is the second line behind `LoopbackGuard`."""
+    value = request.headers.get("content-type", "")
+    return value.split(";", 1)[0].strip().lower() == "application/json"
+
+
+# ----------------------------------------------------------------------------- the app
 def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
+    images = _checked(config)
     tenants = TenantStreams(config.method, target.vocab_size, config.memory_dir, config.memory_rows)
     metrics = Metrics(lambda: engine.depth)  # read at scrape time, once the engine exists
+    secrets = _server_paths(target, config, images)
+
+    def redact(message: str) -> str:
+        """Server paths (the model folder, the memory and image folders, home) never leave."""
+        for path, name in secrets:
+            message = message.replace(path, name)
+        return message
 
     def on_finish(job: Job, event: dict) -> None:
         if event["type"] == "done":
@@ -63,6 +249,8 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
             metrics.requests.labels(str(event.get("status", 500))).inc()
 
     engine = Engine(target, tenants, max_queue=config.max_queue, on_finish=on_finish)
+    admission = Admission(engine, config.max_queue)
+    preparing = asyncio.Semaphore(1)  # one JSON parse / image decode / tokenisation at a time: memory is bounded
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -72,17 +260,23 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
 
     app = FastAPI(title="RECAP", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine, app.state.tenants, app.state.metrics = engine, tenants, metrics
+    app.state.admission = admission
+    if config.api_keys is None:
+        app.add_middleware(LoopbackGuard)
 
     # ------------------------------------------------------------------ errors
+    def error_response(error: ApiError) -> JSONResponse:
+        error.message = redact(error.message)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+        return error_response(error)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, error: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code)
-        return JSONResponse(ApiError(error.status_code, str(error.detail), code=code).body(),
-                            status_code=error.status_code)
+        return error_response(ApiError(error.status_code, str(error.detail), code=code))
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, error: Exception):
@@ -119,51 +313,88 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
                                             "owned_by": "recap"}]}
 
     # ------------------------------------------------------------------ chat completions
+    def prepare(raw: bytearray) -> tuple[ChatRequest, ModelInputs]:
+        """Parse, check the model name, then decode the image and tokenise (in a worker thread)."""
+        chat = parse_chat_request(parse_json_body(raw))
+        if chat.model != config.model_name:
+            raise ApiError(404, f"model {chat.model[:64]!r} is not served here; this server serves "
+                                f"{config.model_name!r}", code="model_not_found")
+        if chat.image_url is not None:
+            check_image_url(chat.image_url, images)
+        if chat.image_url is not None and not target.accepts_images:
+            raise ApiError(400, f"{config.model_name} is a text-only model: it cannot take an image",
+                           code="image_not_supported")
+        if len(chat.messages) >= target.max_context:  # each message is at least one token
+            raise ApiError(400, f"{len(chat.messages)} messages cannot fit the model's context of "
+                                f"{target.max_context} tokens", code="context_length_exceeded")
+        image = read_image_url(chat.image_url, images) if chat.image_url is not None else None
+        try:
+            return chat, target.prepare(chat.messages, image)
+        except InputError as error:
+            raise ApiError(400, str(error)) from None
+        except Exception:
+            if image is None:
+                raise
+            # the model's processor refuses some shapes (an aspect ratio past 200:1, ...)
+            log.warning("the processor refused an image of %dx%d", image.width, image.height, exc_info=True)
+            raise ApiError(400, f"{config.model_name}'s image processor cannot take this image "
+                                f"({image.width}x{image.height})", code="invalid_image") from None
+
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         arrived = time.monotonic()
+        deadline = arrived + config.request_timeout
         tenant = tenant_of(request)
-        declared = request.headers.get("content-length")
-        if declared and declared.isdigit() and int(declared) > config.max_body_bytes:
-            raise ApiError(413, f"the request is larger than {config.max_body_bytes} bytes", type="request_too_large")
-        raw = await request.body()
-        if len(raw) > config.max_body_bytes:
-            raise ApiError(413, f"the request is larger than {config.max_body_bytes} bytes", type="request_too_large")
+        if not _json_content_type(request):
+            raise ApiError(415, "the request body must be JSON (Content-Type: application/json)",
+                           code="unsupported_media_type")
+        if not admission.enter():
+            raise ApiError(429, "the server is busy: its queue is full; retry later", type="rate_limit_error",
+                           code="queue_full", headers={"Retry-After": "1"})
         try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON", code="invalid_json") from None
-        chat = await run_in_threadpool(parse_chat_request, body, allow_local_images=config.allow_local_images)
-        if chat.model != config.model_name:
-            raise ApiError(404, f"model {chat.model!r} is not served here; this server serves {config.model_name!r}",
-                           code="model_not_found")
-        if chat.image is not None and not target.accepts_images:
-            raise ApiError(400, f"{config.model_name} is a text-only model: it cannot take an image",
-                           code="image_not_supported")
-        try:
-            inputs = await run_in_threadpool(target.prepare, chat.messages, chat.image)
-        except InputError as error:
-            raise ApiError(400, str(error)) from None
-        prompt_len = inputs.input_ids.shape[1]
-        room = target.max_context - prompt_len
-        max_tokens = chat.max_tokens if chat.max_tokens is not None else min(config.max_tokens_limit, room)
-        if max_tokens > config.max_tokens_limit:
-            raise ApiError(400, f"max_tokens {max_tokens} is above this server's limit of {config.max_tokens_limit}",
-                           code="max_tokens_too_large")
-        if max_tokens > room:
-            raise ApiError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                                f"context of {target.max_context} tokens", code="context_length_exceeded")
+            reading = asyncio.ensure_future(read_body(request, config.max_body_bytes))
+            body_deadline = max(deadline, arrived + MIN_BODY_SECONDS)
+            try:
+                done, _ = await asyncio.wait({reading}, timeout=max(0.0, body_deadline - time.monotonic()))
+            finally:
+                if not reading.done():
+                    reading.cancel()
+            if not done:
+                raise ApiError(408, "the request body did not arrive within the server's time limit",
+                               code="request_timeout")
+            raw = reading.result()
+            async with preparing:
+                chat, inputs = await run_in_threadpool(prepare, raw)
+            del raw
+            prompt_len = inputs.input_ids.shape[1]
+            limit, what = target.max_context, "context"
+            window = getattr(target, "sliding_window", None)
+            if window is not None and window < limit:  # past it tree verification is not exact
+                limit, what = window, "sliding attention window"
+            room = limit - prompt_len
+            if room < 1:
+                raise ApiError(400, f"the prompt ({prompt_len} tokens) fills the model's {what} of {limit} tokens",
+                               code="context_length_exceeded")
+            max_tokens = chat.max_tokens if chat.max_tokens is not None else min(config.max_tokens_limit, room)
+            if max_tokens > config.max_tokens_limit:
+                raise ApiError(400, f"max_tokens {max_tokens} is above this server's limit of "
+                                    f"{config.max_tokens_limit}", code="max_tokens_too_large")
+            if max_tokens > room:
+                raise ApiError(400, f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                                    f"{what} of {limit} tokens", code="context_length_exceeded")
 
-        loop = asyncio.get_running_loop()
-        events: asyncio.Queue[dict] = asyncio.Queue()
-        job = Job(tenant=tenant, inputs=inputs, max_tokens=max_tokens, sampling=chat.sampling,
-                  emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-                  deadline=arrived + config.request_timeout, submitted=arrived)
-        try:
-            engine.submit(job)
-        except QueueFull as error:
-            raise ApiError(429, f"the server is busy: {error}; retry later", type="rate_limit_error",
-                           code="queue_full", headers={"Retry-After": "1"}) from None
+            loop = asyncio.get_running_loop()
+            events: asyncio.Queue[dict] = asyncio.Queue()
+            job = Job(tenant=tenant, inputs=inputs, max_tokens=max_tokens, sampling=chat.sampling,
+                      emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                      deadline=deadline, submitted=arrived)
+            try:
+                engine.submit(job)
+            except QueueFull as error:
+                raise ApiError(429, f"the server is busy: {error}; retry later", type="rate_limit_error",
+                               code="queue_full", headers={"Retry-After": "1"}) from None
+        finally:
+            admission.leave()  # the job now counts in engine.depth, or was refused
         request_id = completion_id()
         if chat.stream:
             return StreamingResponse(_stream(request_id, job, events, chat.include_usage, arrived),
@@ -183,7 +414,7 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
                     return JSONResponse(completion(request_id, config.model_name, event["text"],
                                                    event["stop_reason"], event["usage"], event["recap"]))
                 if event["type"] == "error":
-                    raise ApiError(event.get("status", 500), event["message"],
+                    raise ApiError(event.get("status", 500), redact(event["message"]),
                                    type="server_error" if event.get("status", 500) >= 500 else "request_error")
         finally:
             job.cancel()  # a no-op once the job is done; frees the decoder if the client went away
@@ -210,7 +441,7 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
                     break
                 else:
                     status = event.get("status", 500)
-                    yield _sse(ApiError(status, event["message"],
+                    yield _sse(ApiError(status, redact(event["message"]),
                                         type="server_error" if status >= 500 else "request_error").body())
                     break
             yield "data: [DONE]\n\n"
@@ -218,6 +449,18 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
             job.cancel()  # the client went away mid-stream: the decoder stops at its next step
 
     return app
+
+
+def _server_paths(target: TargetModel, config: ServerConfig, images: ImagePolicy) -> list[tuple[str, str]]:
+    """(absolute path, what to say instead) for every server path an error could carry,
+    longest first so a folder inside another is replaced whole."""
+    paths = {str(target.name): config.model_name, str(Path.home()): "~", os.getcwd(): "."}
+    if config.memory_dir is not None:
+        paths[str(Path(config.memory_dir).resolve())] = "<memory folder>"
+        paths[str(config.memory_dir)] = "<memory folder>"
+    if images.local_root is not None:
+        paths[str(images.local_root)] = "<image folder>"
+    return sorted(((p, n) for p, n in paths.items() if len(p) > 1 and os.sep in p), key=lambda pn: -len(pn[0]))
 
 
 def _sse(payload: dict) -> str:

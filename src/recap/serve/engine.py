@@ -1,9 +1,11 @@
 """One model, one request at a time: a FIFO queue in front of a single decoding thread.
 
 The HTTP side submits a `Job` (already validated: its inputs prepared) and reads its events;
-the worker runs the job's `Decoding` step by step, turns each step into text, and checks
-between steps whether the job was cancelled (client gone, time limit, shutdown). Whatever
-happens, `Decoding` frees the KV cache and the tenant's memory is saved after the request.
+the worker runs the job's `Decoding` step by step, turns each step into text
+(`IncrementalDetokenizer`), and checks between steps whether the job was cancelled (client
+gone, time limit, shutdown). Whatever happens, `Decoding` frees the KV cache and the tenant's
+memory is saved after the request; the worker holds the tenant's lock while the request
+changes its stream, so a save (the shutdown's included) never reads a stream mid-change.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +28,79 @@ log = logging.getLogger("recap.serve")
 
 class QueueFull(Exception):
     """The queue holds ``max_queue`` waiting requests already."""
+
+
+class IncrementalDetokenizer:
+    """Text deltas from token ids, computed as vLLM's and TGI's servers do: each step decodes
+    only a window of recent tokens, ``tokens[prefix:]``, and sends what it adds past the text
+    of ``tokens[prefix:read]`` (the context, already sent), once that text is stable: longer
+    than the context's, and not ending in U+FFFD (a character whose bytes are still coming).
+    The window is the last sent step plus what is held back, so a step's work does not grow
+    with the answer. `finish` flushes the rest and gives the answer, which is by construction
+    the concatenation of every delta: ``tokenizer.decode(all tokens)`` whenever that starts
+    with the text sent (any tokenizer that does not rewrite text once more tokens follow it),
+    else what was sent plus the window's rest (vLLM's answer too: a stream cannot take text
+    back)."""
+
+    MAX_HELD = 64
+    """Tokens held back (no stable text yet) beyond which their text is sent as it is, so a
+    model that keeps producing partial characters or empty tokens cannot grow the window."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self._drafted: list[bool] = []
+        self._prefix = 0
+        self._read = 0
+        self._prefix_text = ""
+        self._sent: list[str] = []
+
+    def _decode(self, start: int, stop: int) -> str:
+        return self.tokenizer.decode(self.tokens[start:stop], skip_special_tokens=True)
+
+    def add(self, tokens: Sequence[int], drafted: int = 0) -> tuple[str, str]:
+        """Take one step's tokens (the first ``drafted`` of them accepted drafts); return the
+        text to send now and its leading part that came from accepted drafts (both may be
+        empty)."""
+        self.tokens.extend(int(t) for t in tokens)
+        self._drafted.extend(i < drafted for i in range(len(tokens)))
+        text = self._decode(self._prefix, len(self.tokens))
+        held = len(self.tokens) - self._read
+        if held < self.MAX_HELD and (len(text) <= len(self._prefix_text) or text.endswith("\ufffd")):
+            return "", ""
+        delta = text[len(self._prefix_text):]
+        drafted_text = delta[: self._drafted_chars(len(delta))]
+        self._prefix, self._read = self._read, len(self.tokens)
+        self._prefix_text = self._decode(self._prefix, self._read)
+        self._sent.append(delta)
+        return delta, drafted_text
+
+    def finish(self) -> tuple[str, str, str]:
+        """(the rest to send, its drafted leading part, the whole answer). The only decode of
+        the whole answer: once, to check that the text sent is its prefix."""
+        sent = "".join(self._sent)
+        whole = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if whole.startswith(sent):
+            rest = whole[len(sent):]
+        else:  # the tokenizer rewrote text already sent: the answer is what the stream showed
+            rest = self._decode(self._prefix, len(self.tokens))[len(self._prefix_text):]
+        drafted_text = rest[: self._drafted_chars(len(rest))]
+        self._sent.append(rest)
+        return rest, drafted_text, sent + rest
+
+    def _drafted_chars(self, length: int) -> int:
+        """How many leading characters of the delta that starts at the read offset came from
+        accepted drafts: those of the run of drafted tokens it starts with (a character the
+        run leaves incomplete not counted)."""
+        end = self._read
+        while end < len(self.tokens) and self._drafted[end]:
+            end += 1
+        if end == self._read:
+            return 0
+        if end == len(self.tokens):
+            return length
+        run = self._decode(self._prefix, end).rstrip("\ufffd")
+        return max(0, min(length, len(run) - len(self._prefix_text)))
 
 
 @dataclass
@@ -98,7 +173,8 @@ class Engine:
             log.warning("the request in flight did not finish within %.0f s; cancelling it", timeout)
             self._cancel_current = True
             self._thread.join(timeout)
-        self.tenants.save_all()
+        # a decoder still running holds its tenant's lock: that tenant keeps its last saved file
+        self.tenants.save_all(timeout=0.0 if self._thread.is_alive() else None)
 
     # ------------------------------------------------------------------ worker
     _cancel_current = False
@@ -116,9 +192,9 @@ class Engine:
             self.busy = True
             try:
                 event = self._serve(job)
-            except Exception as error:  # noqa: BLE001 - the worker must survive any request
+            except Exception:  # noqa: BLE001 - the worker must survive any request
                 log.exception("request failed")
-                event = {"type": "error", "message": f"internal error: {type(error).__name__}", "status": 500}
+                event = {"type": "error", "message": "internal server error", "status": 500}  # details: the log
             try:  # before answering: an answered request's memory is on disk
                 self.tenants.save(job.tenant)
             except Exception:  # noqa: BLE001
@@ -128,42 +204,35 @@ class Engine:
 
     def _serve(self, job: Job) -> dict[str, Any]:
         """Decode one job, emitting its text as it comes; return its final event."""
-        tokenizer = self.target.tokenizer
-        proposer = self.tenants.stream(job.tenant)
-        decoding = Decoding(self.target, proposer, job.inputs, max_new_tokens=job.max_tokens, sampling=job.sampling)
-        steps = iter(decoding)
-        tokens: list[int] = []
-        sent = ""
-        reason = None
-        try:
-            for step in steps:
-                drafted_upto = len(tokens) + step.drafted
-                tokens.extend(step.tokens)
-                text = tokenizer.decode(tokens, skip_special_tokens=True)
-                # an unfinished character (or a re-spelled prefix) waits for the next step
-                if not text.endswith("\ufffd") and text.startswith(sent) and len(text) > len(sent):
-                    drafted_text = tokenizer.decode(tokens[:drafted_upto], skip_special_tokens=True)
-                    delta = text[len(sent):]
-                    drafted_chars = max(0, min(len(delta), len(drafted_text) - len(sent)))
-                    sent = text
-                    job.emit({"type": "text", "text": delta, "drafted_text": delta[:drafted_chars],
-                              "tokens": len(step.tokens), "drafted": step.drafted})
-                if job.cancelled.is_set() or self._cancel_current:
-                    reason = "cancelled"
-                    break
-                if time.monotonic() > job.deadline:
-                    reason = "timeout"
-                    break
-        finally:
-            steps.close()
+        with self.tenants.lock(job.tenant):  # no save reads the stream while this request changes it
+            detokenizer = IncrementalDetokenizer(self.target.tokenizer)
+            proposer = self.tenants.stream(job.tenant)
+            decoding = Decoding(self.target, proposer, job.inputs, max_new_tokens=job.max_tokens,
+                                sampling=job.sampling)
+            steps = iter(decoding)
+            reason = None
+            try:
+                for step in steps:
+                    delta, drafted_text = detokenizer.add(step.tokens, step.drafted)
+                    if delta:
+                        job.emit({"type": "text", "text": delta, "drafted_text": drafted_text,
+                                  "tokens": len(step.tokens), "drafted": step.drafted})
+                    if job.cancelled.is_set() or self._cancel_current:
+                        reason = "cancelled"
+                        break
+                    if time.monotonic() > job.deadline:
+                        reason = "timeout"
+                        break
+            finally:
+                steps.close()
         result = decoding.result
-        text = tokenizer.decode(result.tokens, skip_special_tokens=True)
-        if reason is None and text != sent and text.startswith(sent):
-            job.emit({"type": "text", "text": text[len(sent):], "drafted_text": "", "tokens": 0, "drafted": 0})
         if reason == "cancelled":
             return {"type": "error", "message": "the request was cancelled", "status": 499}
         if reason == "timeout":
             return {"type": "error", "message": "the request ran past the server's time limit", "status": 504}
+        rest, drafted_text, text = detokenizer.finish()  # what was held back, or a tokenizer's late spelling
+        if rest:
+            job.emit({"type": "text", "text": rest, "drafted_text": drafted_text, "tokens": 0, "drafted": 0})
         accepted = sum(it.accepted for it in result.iterations)
         return {
             "type": "done", "text": text, "stop_reason": result.stop_reason,

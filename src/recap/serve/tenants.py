@@ -13,6 +13,7 @@ from __future__ import annotations
 import hmac
 import logging
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -21,8 +22,16 @@ from recap.errors import InputError
 from recap.proposers import Proposer, make_proposer
 
 log = logging.getLogger("recap.serve")
-TENANT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+"""A tenant name names a file (``<tenant>.safetensors``): letters, digits and ``_.-``, at most
+64, starting with a letter or digit, so it can never be ``..``, hidden, a path or an option."""
 DEFAULT_TENANT = "default"
+
+
+def valid_tenant_name(name: object) -> bool:
+    """Whether ``name`` may be a tenant (checked wherever names enter: keys file, ServerConfig,
+    and again before a name becomes a path)."""
+    return isinstance(name, str) and TENANT_NAME.fullmatch(name) is not None
 
 
 def read_api_keys(path: str | Path) -> dict[str, str]:
@@ -37,7 +46,7 @@ def read_api_keys(path: str | Path) -> dict[str, str]:
         if not line:
             continue
         fields = line.split()
-        if len(fields) != 2 or not TENANT_NAME.match(fields[0]) or len(fields[1]) < 8:
+        if len(fields) != 2 or not valid_tenant_name(fields[0]) or len(fields[1]) < 8:
             raise InputError(f"{path}, line {number}: expected '<tenant> <key>' (tenant: letters, digits, '_.-'; "
                              "key: at least 8 characters)")
         if fields[1] in keys:
@@ -75,8 +84,24 @@ class TenantStreams:
         if self.memory_dir is not None:
             self.memory_dir.mkdir(parents=True, exist_ok=True)
         self.streams: dict[str, Proposer] = {}
+        self._locks: dict[str, threading.RLock] = {}
+        self._locks_guard = threading.Lock()
+
+    def lock(self, tenant: str) -> threading.RLock:
+        """The tenant's lock: the decoder holds it while a request changes the stream and every
+        save takes it, so a save never reads a stream mid-change and two saves of one tenant
+        (after a request, at shutdown) never interleave."""
+        with self._locks_guard:
+            lock = self._locks.get(tenant)
+            if lock is None:
+                lock = self._locks[tenant] = threading.RLock()
+            return lock
 
     def path(self, tenant: str) -> Path | None:
+        """The tenant's memory file, always directly inside the memory folder."""
+        if not valid_tenant_name(tenant):  # a last guard: names are checked where they enter
+            raise ValueError(f"invalid tenant name {tenant[:64]!r}" if isinstance(tenant, str) else
+                             "a tenant name must be a string")
         return self.memory_dir / f"{tenant}.safetensors" if self.memory_dir is not None else None
 
     def stream(self, tenant: str) -> Proposer:
@@ -100,18 +125,28 @@ class TenantStreams:
             self.streams[tenant] = proposer
         return self.streams[tenant]
 
-    def save(self, tenant: str) -> None:
-        """Write the tenant's memory (if it has a file and anything to save)."""
+    def save(self, tenant: str, timeout: float | None = None) -> bool:
+        """Write the tenant's memory (if it has a file and anything to save) under its lock;
+        waits ``timeout`` seconds at most for a request in flight (None: as long as it takes).
+        False when it gave up: the file then keeps its last save."""
         path, proposer = self.path(tenant), self.streams.get(tenant)
         if path is None or proposer is None or not hasattr(proposer, "save_memory"):
-            return
+            return True
+        lock = self.lock(tenant)
+        if not lock.acquire(timeout=-1 if timeout is None else timeout):
+            log.warning("tenant %s: a request still uses its stream; its memory file keeps the last save", tenant)
+            return False
         try:
             proposer.save_memory(path)
         except InputError:
             pass  # nothing learned yet
         except OSError as error:
             log.error("tenant %s: could not save its memory to %s: %s", tenant, path, error)
+        finally:
+            lock.release()
+        return True
 
-    def save_all(self) -> None:
+    def save_all(self, timeout: float | None = None) -> None:
+        """`save` every tenant (``timeout`` for each)."""
         for tenant in list(self.streams):
-            self.save(tenant)
+            self.save(tenant, timeout)

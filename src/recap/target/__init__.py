@@ -1,7 +1,8 @@
 """Target models: one adapter per model family behind `TargetModel`.
 
 A new family goes in its own module with a `TargetModel` subclass, registered in `FAMILIES`
-by its ``config.model_type``.
+by its ``config.model_type``. What the decoding loop needs of any target (a model or a
+stand-in) is the `Target` protocol (`recap.target.protocol`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from typing import Any
 import torch
 
 from recap.errors import InputError
-from recap.target.base import ModelInputs, TargetModel
+from recap.target.base import MeasuringSession, ModelInputs, TargetModel
+from recap.target.protocol import BaseTarget, Target
 from recap.target.vision_language import LlavaTarget, QwenVLTarget
 
 FAMILIES: dict[str, type[TargetModel]] = {
@@ -35,4 +37,5 @@ def wrap(model: torch.nn.Module, processor: Any, *, top_k: int = 8, kernels: str
                      f"supported: decoder-only *ForCausalLM models and {', '.join(sorted(FAMILIES))}")
 
 
-__all__ = ["FAMILIES", "LlavaTarget", "ModelInputs", "QwenVLTarget", "TargetModel", "wrap"]
+__all__ = ["FAMILIES", "BaseTarget", "LlavaTarget", "MeasuringSession", "ModelInputs", "QwenVLTarget", "Target",
+           "TargetModel", "wrap"]

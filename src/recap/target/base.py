@@ -8,8 +8,9 @@ to turn a prompt and an image into model inputs and how positions are offset.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +23,7 @@ from recap.core import CostProfile, DraftTree, PromptRows, VerifiedTree
 from recap.errors import InputError
 from recap.target.attention import compact_cache, tree_attention_mask, tree_positions
 from recap.target.image_attention import ImageAttentionCapture
+from recap.target.protocol import BaseTarget
 from recap.target.sampling import Sampler
 
 Message = dict[str, Any]
@@ -45,11 +47,14 @@ class ModelInputs:
         return self.input_ids[0].tolist()
 
 
-class TargetModel:
-    """Base adapter: a decoder-only causal LM. Subclasses override the hooks marked below."""
+class TargetModel(BaseTarget):
+    """Base adapter: a decoder-only causal LM, a `recap.target.protocol.Target` with every
+    optional ability (context limit, sliding window, image-attention capture, cost profile,
+    sampling). Subclasses override the hooks marked below."""
 
     family = "causal-lm"
     accepts_images = False
+    can_sample = True
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, top_k: int = 8, kernels: str = "auto"):
         self.model = model.eval()
@@ -140,6 +145,9 @@ class TargetModel:
         if eos is None:
             return []
         return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+    def prompt_length(self, inputs: ModelInputs) -> int:
+        return int(inputs.input_ids.shape[1])
 
     def capture_image_attention(self, enabled: bool = True) -> bool:
         """Turn on (or off) the measurement of the final-layer, head-averaged attention mass
@@ -272,13 +280,34 @@ class TargetModel:
         """Whether a request's KV cache is held (stock or fast)."""
         return self.cache is not None or self._kv is not None
 
-    def rollback(self, count: int) -> None:
-        """Forget the last ``count`` committed positions (profiling reuses one prefix)."""
+    @contextlib.contextmanager
+    def measuring(self, prompt: Sequence[int] | np.ndarray) -> Iterator[MeasuringSession]:
+        """A session for timing decode steps after ``prompt`` (token ids, no image): its KV
+        cache is prefilled, image-attention capture is off (the stock attention path is what
+        is timed), and on leaving the cache is freed and the capture restored. The cache is
+        the target's own business: the profiler only calls the session's ``step`` and
+        ``restore``."""
+        capturing = self._capture is not None and self._capture.enabled
+        self.capture_image_attention(False)
+        try:
+            ids = torch.from_numpy(np.asarray(prompt, dtype=np.int64).reshape(1, -1))
+            _, root = self.prefill(ModelInputs(input_ids=ids))
+            yield MeasuringSession(self, root, self.past_len)
+        finally:
+            self.release()
+            if capturing:
+                self.capture_image_attention(True)
+
+    def _truncate(self, length: int) -> None:
+        """Forget committed positions past ``length`` (a measuring session reuses one prefix)."""
+        count = self.past_len - length
+        if count <= 0:
+            return
         if self._kv is not None:
             self._kv.length -= count
         else:
             self.cache.crop(-count)
-        self.past_len -= count
+        self.past_len = length
 
     def verify_cost(self) -> CostProfile:
         """What verifying N tokens costs here: the profile set by `use_cost_profile`, else the
@@ -349,6 +378,30 @@ class TargetModel:
         input_ids = inputs.input_ids.to(self.device)
         out = self.model.generate(input_ids=input_ids, generation_config=config, **kwargs)
         return out[0, input_ids.shape[1]:].tolist()
+
+
+@dataclass
+class MeasuringSession:
+    """Decode steps over a fixed prefix (`TargetModel.measuring`): each ``step`` is what one
+    decode step pays the target, ``restore`` puts the cache back to the prefix, outside the
+    timed part."""
+
+    target: TargetModel
+    root: int
+    """The token after the prefix (prefill's first token): every step's root."""
+    context_len: int
+    """Tokens cached before every step."""
+
+    def step(self, tree: DraftTree) -> None:
+        """``verify(root, tree)`` then ``commit([])`` (the root's KV entry is kept, as in decoding)."""
+        if self.target.past_len != self.context_len:
+            raise RuntimeError("restore() the session before the next step")
+        self.target.verify(self.root, tree)
+        self.target.commit([])
+
+    def restore(self) -> None:
+        """Back to ``context_len`` cached tokens, so every step sees the same context."""
+        self.target._truncate(self.context_len)
 
 
 def _sliding_window(config: Any) -> int | None:

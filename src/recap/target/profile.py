@@ -7,8 +7,9 @@ variant, ~10-15 s on SmolLM2 with one CPU thread); a corrupt or stale one is rep
 one line and measured again: a bad cache file must never stop a generation.
 
 Timings follow what one decode step pays: ``verify(root, tree)`` plus ``commit([])`` after a
-synthetic prompt of L tokens, the cache rolled back after every measurement so each one
-sees the same context length.
+synthetic prompt of L tokens, in a measuring session the target provides
+(`TargetModel.measuring`): it restores its cache after every measurement, so each one sees
+the same context length, and the profiler never edits the target's state itself.
 """
 
 from __future__ import annotations
@@ -33,10 +34,9 @@ import torch
 from recap.core.cost import DEFAULT_SIZES, PROFILE_VERSION, CostProfile, ProfileError
 from recap.core.tree import ROOT, DraftTree
 from recap.errors import InputError
-from recap.target.base import ModelInputs
 
 if TYPE_CHECKING:
-    from recap.target.base import TargetModel
+    from recap.target.base import MeasuringSession, TargetModel
 
 DEFAULT_CONTEXTS = (128, 1024)
 """Context lengths measured: two, so the growth of t(N) with the cached prefix is known."""
@@ -70,7 +70,7 @@ def profile_key(target: TargetModel) -> dict:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return {"model": target.name, "params": sum(p.numel() for p in target.model.parameters()),
             "dtype": str(target.dtype).removeprefix("torch."),
-            "kernels": getattr(target, "kernels", "stock"), "threads": torch.get_num_threads(),
+            "kernels": target.kernels, "threads": torch.get_num_threads(),
             "device": str(device), "gpu": gpu, "cpu": _cpu_model(), "torch": torch.__version__,
             "transformers": transformers.__version__, "version": PROFILE_VERSION}
 
@@ -153,17 +153,15 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_step(target: TargetModel, root: int, tree: DraftTree) -> float:
+def _time_step(session: MeasuringSession, tree: DraftTree, device: torch.device) -> float:
     """Seconds of one decode step's target work (verify + commit of the root only); the
-    cache is then cropped back to the prompt, so every step sees the same context."""
-    device = target.device
+    session then restores the prompt's cache (untimed), so every step sees the same context."""
     _synchronize(device)
     start = time.perf_counter()
-    target.verify(root, tree)
-    target.commit([])
+    session.step(tree)
     _synchronize(device)
     elapsed = time.perf_counter() - start
-    target.rollback(1)  # commit kept the root's entry
+    session.restore()
     return elapsed
 
 
@@ -171,7 +169,8 @@ def measure_times(target: TargetModel, sizes: Sequence[int], contexts: Sequence[
                   seed: int = 0, warmup: bool = True, progress: Progress | None = None) -> np.ndarray:
     """Median seconds ``times[c, s]`` of verify + commit for ``sizes[s]`` packed tokens (root
     included) after ``contexts[c]`` cached tokens; sizes are timed in a fresh random order
-    every round so drift spreads evenly. The target's KV cache is released at the end."""
+    every round so drift spreads evenly. Each context is one measuring session of the target
+    (`TargetModel.measuring`: stock attention path, cache freed at the end)."""
     if repeats < 1:
         raise InputError(f"repeats must be at least 1, got {repeats}")
     rng = np.random.default_rng(seed)
@@ -179,28 +178,21 @@ def measure_times(target: TargetModel, sizes: Sequence[int], contexts: Sequence[
     trees = {n: random_tree(n - 1, pool, rng) for n in sizes}
     times = np.zeros((len(contexts), len(sizes)))
     total, done = len(contexts) * len(sizes) * repeats, 0
-    capturing = target._capture is not None and target._capture.enabled
-    target.capture_image_attention(False)  # time the stock attention path
-    try:
-        for c, context in enumerate(contexts):
-            prompt = torch.from_numpy(rng.choice(pool, context))[None]
-            _, root = target.prefill(ModelInputs(input_ids=prompt))
+    device = target.device
+    for c, context in enumerate(contexts):
+        with target.measuring(rng.choice(pool, context)) as session:
             if warmup and c == 0:  # first calls pay for allocations and kernel selection
                 for n in dict.fromkeys((sizes[0], sizes[len(sizes) // 2], sizes[-1])):
-                    _time_step(target, root, trees[n])
+                    _time_step(session, trees[n], device)
             samples: dict[int, list[float]] = {n: [] for n in sizes}
             gc.collect()
             for _ in range(repeats):
                 for n in rng.permutation(sizes).tolist():
-                    samples[n].append(_time_step(target, root, trees[n]))
+                    samples[n].append(_time_step(session, trees[n], device))
                     done += 1
                     if progress is not None:
                         progress(done, total)
-            times[c] = [statistics.median(samples[n]) for n in sizes]
-    finally:
-        target.release()
-        if capturing:
-            target.capture_image_attention(True)
+        times[c] = [statistics.median(samples[n]) for n in sizes]
     return times
 
 
@@ -210,7 +202,7 @@ def measure_profile(target: TargetModel, sizes: Sequence[int] | None = None,
     """Measure this target's verify-cost grid now. ``quick`` (the lazy path) takes fewer
     sizes and repeats; explicit ``sizes`` / ``repeats`` win. Uses the caller's thread count."""
     if sizes is None:
-        fast = getattr(target, "kernels", "stock") == "fast"
+        fast = target.kernels == "fast"
         sizes = (FAST_QUICK_SIZES if fast else QUICK_SIZES) if quick else (FAST_SIZES if fast else DEFAULT_SIZES)
     repeats = (QUICK_REPEATS if quick else REPEATS) if repeats is None else repeats
     fitted_sizes, fitted_contexts = _fit(target, sizes, contexts)
