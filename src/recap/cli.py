@@ -545,6 +545,12 @@ def _add_serve(commands) -> None:
                        help="requests admitted and not yet decoding before answering 429")
     serve.add_argument("--max-tokens-limit", type=_positive, default=1024, help="largest max_tokens a request may ask")
     serve.add_argument("--request-timeout", type=_positive, default=300, help="seconds a request may take in all")
+    serve.add_argument("--max-connections", type=_positive, default=256,
+                       help="open connections (and requests in progress) past which uvicorn answers 503 "
+                            "(default 256)")
+    serve.add_argument("--header-timeout", type=float, default=10.0,
+                       help="seconds a client has to send a request's headers before its connection is closed "
+                            "(default 10)")
     serve.add_argument("--max-body-bytes", type=_positive, default=16 * 1024 * 1024, metavar="N",
                        help="largest request body, counted as it streams in (default 16 MiB)")
     serve.add_argument("--max-image-bytes", type=_positive, default=10 * 1024 * 1024, metavar="N",
@@ -566,6 +572,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from recap.models import load
     from recap.serve import ServerConfig, create_app
+    from recap.serve.http import header_deadline_protocol
     from recap.serve.tenants import read_api_keys
 
     keys = read_api_keys(args.api_keys) if args.api_keys else None
@@ -579,6 +586,8 @@ def _serve(args: argparse.Namespace) -> int:
     if keys is None and not loopback:
         raise InputError(f"--host {args.host} is reachable from other machines: give --api-keys FILE, or serve on "
                          "127.0.0.1")
+    if not args.header_timeout > 0:
+        raise InputError(f"--header-timeout must be positive, got {args.header_timeout}")
     if not 0 <= args.port <= 65535:
         raise InputError(f"--port must be in 0-65535, got {args.port}")
     if args.allow_local_images is not None and not os.path.isdir(args.allow_local_images):
@@ -600,7 +609,8 @@ def _serve(args: argparse.Namespace) -> int:
     # uvicorn shuts down gracefully on SIGTERM (the request in flight finishes, memories are saved), then
     # raises the signal again for the previous handler: a no-op one here, so the exit status is 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
+                http=header_deadline_protocol(args.header_timeout), limit_concurrency=args.max_connections)
     return 0
 
 

@@ -61,6 +61,31 @@ def temporary_path(path: str | os.PathLike) -> str:
     return f"{os.fspath(path)}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
 
 
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[str]:
+    """Delete the temporary files of saves whose writer died (a SIGKILL or a power cut mid-save
+    leaves one; nothing else would ever remove it): names from `temporary_path` whose process
+    id is not running. Returns the names removed."""
+    removed = []
+    for entry in os.scandir(folder):
+        _, marker, rest = entry.name.rpartition(".tmp-")
+        pid = rest.split("-", 1)[0]
+        if not marker or not pid.isdigit() or not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # its writer may still be saving
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue  # another user's live process, or not a pid at all
+        try:
+            os.unlink(entry.path)
+            removed.append(entry.name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray, probs: np.ndarray, *,
                       vocab_size: int, store: np.ndarray | None = None,
                       calibration: tuple[np.ndarray, np.ndarray] | None = None,

@@ -13,11 +13,12 @@ from __future__ import annotations
 import hmac
 import logging
 import re
+import secrets
 import threading
 import time
 from pathlib import Path
 
-from recap.core.persistence import MemoryFileError, read_token_memory
+from recap.core.persistence import MemoryFileError, read_token_memory, remove_stale_temporaries
 from recap.errors import InputError
 from recap.proposers import Proposer, make_proposer
 
@@ -83,6 +84,9 @@ class TenantStreams:
         self.memory_dir = Path(memory_dir) if memory_dir is not None else None
         if self.memory_dir is not None:
             self.memory_dir.mkdir(parents=True, exist_ok=True)
+            stale = remove_stale_temporaries(self.memory_dir)
+            if stale:
+                log.warning("removed %d temporary file(s) of saves interrupted by a crash", len(stale))
         self.streams: dict[str, Proposer] = {}
         self._locks: dict[str, threading.RLock] = {}
         self._locks_guard = threading.Lock()
@@ -118,7 +122,8 @@ class TenantStreams:
                                               f"{self.vocab_size}")
                     proposer.load_memory(path)
                 except MemoryFileError as error:
-                    aside = path.with_name(f"{path.name}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}")
+                    aside = path.with_name(f"{path.name}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}"
+                                           f"-{secrets.token_hex(3)}")  # two in one second keep both
                     path.replace(aside)
                     log.warning("tenant %s: memory file unusable (%s); moved to %s, starting cold",
                                 tenant, error, aside.name)

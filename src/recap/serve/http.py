@@ -1,0 +1,62 @@
+"""The connection layer under the app: uvicorn's h11 protocol with a deadline for headers.
+
+uvicorn has no header timeout: a connection that has sent part of its request line or headers
+(its keep-alive timer stops at the first byte) is held for ever, before the app sees a request,
+so neither ``--request-timeout`` nor ``--max-queue`` applies to it, and a client that trickles
+a few header bytes on many connections ("slowloris") holds as many file descriptors. Here the
+headers of every request must be complete within ``header_timeout`` seconds of the
+connection's opening (or of the previous response on a kept-alive connection), or the
+connection is closed. The body that follows is bounded by the app (size, and
+``--request-timeout`` for its arrival).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+HEADER_TIMEOUT = 10.0
+"""Seconds a client has to send a request's line and headers (nginx's default is 60)."""
+
+
+def header_deadline_protocol(header_timeout: float = HEADER_TIMEOUT) -> type[H11Protocol]:
+    """uvicorn's h11 protocol class (``uvicorn.run(..., http=...)``) closing connections
+    whose request headers are not complete ``header_timeout`` seconds after they could start."""
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def _between_requests(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            if self._deadline is None:
+                self._deadline = self.loop.call_later(header_timeout, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _too_slow(self) -> None:
+            self._deadline = None
+            if self._between_requests() and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._between_requests():
+                self._arm()
+            super().data_received(data)
+            if not self._between_requests():  # the headers are in: the app bounds the rest
+                self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return HeaderDeadlineProtocol
