@@ -12,7 +12,7 @@ from recap.errors import InputError
 from recap.hf import custom_generate
 from recap.images import synthetic_image
 from recap.target.sampling import SamplingError
-from tests.conftest import TINY_MODELS, load_target
+from tests.conftest import TINY_MODELS, fixed_cost_profile, load_target
 from tests.helpers import assert_drafted
 
 
@@ -29,7 +29,7 @@ def test_greedy_equals_plain_generate_and_drafts_are_accepted(model):
     target = load_target(model)
     kwargs = _kwargs(target)
     reference = target.model.generate(**kwargs, max_new_tokens=16, do_sample=False)
-    recap_generate = custom_generate("recap")
+    recap_generate = custom_generate("recap", cost_profile=fixed_cost_profile())
     for _ in range(2):  # the second call drafts from the first (one stream)
         out = target.model.generate(**kwargs, max_new_tokens=16, do_sample=False, custom_generate=recap_generate)
         assert torch.equal(out, reference)
@@ -43,17 +43,19 @@ def test_sampling_follows_torch_s_seed_whatever_the_method(model):
     target = load_target(model)
     kwargs = _kwargs(target)
     outputs = []
-    recap_generate = custom_generate("recap")  # one stream: its second call drafts from the first
+    # one stream: its second call drafts from the first
+    recap_generate = custom_generate("recap", cost_profile=fixed_cost_profile())
     for method in ("ar", recap_generate, recap_generate):
         torch.manual_seed(11)
         outputs.append(target.model.generate(**kwargs, max_new_tokens=16, do_sample=True, temperature=0.8, top_k=8,
-                                             top_p=0.95, custom_generate=custom_generate(method)
+                                             top_p=0.95,
+                                             custom_generate=custom_generate(method, cost_profile=fixed_cost_profile())
                                              if isinstance(method, str) else method))
     assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[1], outputs[2])
     assert_drafted(recap_generate, min_accepted=8)
     torch.manual_seed(12)
     other = target.model.generate(**kwargs, max_new_tokens=16, do_sample=True, temperature=0.8, top_k=8,
-                                  custom_generate=custom_generate("recap"))
+                                  custom_generate=custom_generate("recap", cost_profile=fixed_cost_profile()))
     assert not torch.equal(other, outputs[0])
 
 
@@ -65,7 +67,7 @@ def test_a_streamer_receives_the_text_as_it_is_committed():
     expected = target.tokenizer.decode(reference[0, kwargs["input_ids"].shape[1]:], skip_special_tokens=True)
     streamer = TextIteratorStreamer(target.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=120)
     result = {}
-    recap_generate = custom_generate("recap")
+    recap_generate = custom_generate("recap", cost_profile=fixed_cost_profile())
     target.model.generate(**kwargs, max_new_tokens=20, do_sample=False, custom_generate=recap_generate)
     # the streamed call drafts from the first: steps of several tokens reach the streamer
 
@@ -86,14 +88,14 @@ def test_a_streamer_receives_the_text_as_it_is_committed():
     assert torch.equal(result["out"], reference)
     assert_drafted(recap_generate, min_accepted=8)
     out = target.model.generate(**kwargs, max_new_tokens=5, do_sample=False, return_dict_in_generate=True,
-                                custom_generate=custom_generate("recap"))
+                                custom_generate=custom_generate("recap", cost_profile=fixed_cost_profile()))
     assert torch.equal(out.sequences, reference[:, : kwargs["input_ids"].shape[1] + 5])
 
 
 def test_what_cannot_be_done_exactly_is_refused():
     target = load_target("tiny-llama")
     kwargs = _kwargs(target)
-    recap_generate = custom_generate("recap")
+    recap_generate = custom_generate("recap", cost_profile=fixed_cost_profile())
     with pytest.raises(InputError, match="batch"):
         target.model.generate(input_ids=kwargs["input_ids"].repeat(2, 1), max_new_tokens=4,
                               custom_generate=recap_generate)
