@@ -143,14 +143,13 @@ class Decoding:
             while not done:
                 t0 = clock()
                 context_len = target.past_len
-                limits = StepLimits(cost=cost, context_len=context_len, remaining=max_new_tokens - len(result.tokens))
-                tree = proposer.propose(history, limits)
+                room = max_new_tokens - len(result.tokens)
+                tree = proposer.propose(history, StepLimits(cost=cost, context_len=context_len, remaining=room))
                 if len(tree) and context_len + tree.max_depth >= max_context:
                     tree = DraftTree.empty()  # drafts would need positions past the model's context
                 t1 = clock()
                 step = target.verify(history[-1], tree, sampler, len(result.tokens))
                 committed = step.committed
-                room = max_new_tokens - len(result.tokens)
                 taken = committed[:room]
                 for i, token in enumerate(taken):
                     if token in eos:

@@ -72,5 +72,9 @@ class StepLimits:
     max_nodes: int | None = None
     """Hard cap on draft nodes (root excluded), e.g. what the context window still holds."""
     remaining: int | None = None
-    """Tokens the request may still commit (this step's bonus token included): a draft
-    deeper than ``remaining - 1`` can never be used."""
+    """Tokens the request may still commit (this step's bonus token included)."""
+
+    @property
+    def max_depth(self) -> int | None:
+        """The deepest draft the request can still use (``remaining - 1``; None: unknown)."""
+        return None if self.remaining is None else self.remaining - 1

@@ -275,7 +275,7 @@ class RecapProposer(BaseProposer):
             tree = DraftTree._trusted(tokens, parents, depths)
             stages.lap("search")
             return tree
-        candidates = self.candidates(history, limits.remaining if limits is not None else None)
+        candidates = self.candidates(history, limits.max_depth if limits is not None else None)
         stages.lap("candidates")
         tree = self.select(candidates, limits)
         stages.lap("choice")
@@ -297,21 +297,18 @@ class RecapProposer(BaseProposer):
         cap = self.config.budget if cost is None else None
         if limits is not None and limits.max_nodes is not None:
             cap = limits.max_nodes if cap is None else min(cap, limits.max_nodes)
-        max_depth = limits.remaining - 1 if limits is not None and limits.remaining is not None else None
-        tree, chosen = choose(candidates, cost, context_len, cap, max_depth)
+        tree, chosen = choose(candidates, cost, context_len, cap, limits.max_depth if limits is not None else None)
         self._pending = chosen
         self.chosen_sizes.append(len(tree))
         return tree
 
-    def candidates(self, history: Sequence[int], remaining: int | None = None) -> Candidates:
+    def candidates(self, history: Sequence[int], room: int | None = None) -> Candidates:
         """Every node this step could draft, with its acceptance estimate: the recycled
-        tree, then the request's and the store's continuations merged into it (no longer
-        than the ``remaining`` tokens the request may still commit can use)."""
+        tree, then the request's and the store's continuations merged into it (chains no
+        deeper than ``room``, the deepest draft the request can still use)."""
         config = self.config
         calibrator = self.calibrator
-        tokens, parents, depths, q = self.memory.build_tree(
-            self._context, config.budget, config.max_depth, config.width, config.top_k, self._eta_array,
-            self._prior_array, config.fusion, self._excluded_mask)
+        tokens, parents, depths, q = self._build_tree(self._context)
         recycled = calibrator.recycled(q, depths)
         # The request's correction is learned on recycled nodes and applied to them only: a
         # factor per node compounds along a path, so on a 30-token chain 0.95 would be 0.2.
@@ -321,7 +318,6 @@ class RecapProposer(BaseProposer):
         if factor != 1.0:
             recycled = np.minimum(recycled * factor, 0.999)
         candidates = Candidates(tokens, parents, depths, recycled, recycled_cells(q, depths))
-        room = remaining - 1 if remaining is not None else None
         if self._continues:
             length, end = self.automaton.longest_match()
             if length:
@@ -330,10 +326,11 @@ class RecapProposer(BaseProposer):
                 probs, cells = calibrator.continuation(REQUEST, length, np.arange(1, len(chain) + 1))
                 candidates.add_chain(chain, probs, cells)
         if config.stream_store and len(self.store):
-            self._store_match.sync(history)
-            length, chain = self._store_match.continuation(config.continuation_length(1 << 20, room))
-            if length:
-                chain = self._clean(chain[: config.continuation_length(length, room)])
+            match = self._store_match
+            match.sync(history)
+            if match.length:
+                length, chain = match.continuation(config.continuation_length(match.length, room))
+                chain = self._clean(chain)
                 probs, cells = calibrator.continuation(STORE, length, np.arange(1, len(chain) + 1))
                 candidates.add_chain(chain, probs, cells)
         return candidates
@@ -359,11 +356,13 @@ class RecapProposer(BaseProposer):
         """Lookup + fusion + best-first search after ``context`` (`context_of`) in one compiled
         call (`FastMemory.build_tree`): (tokens, parents, depths, q) of the tree as lists, q
         the fused probability of each node's token under its parent's context."""
+        return tuple(array.tolist() for array in self._build_tree(context))
+
+    def _build_tree(self, context: tuple[int, int, int]) -> tuple[np.ndarray, ...]:
+        """`search` as arrays (tokens, parents, depths, q), what the cost-aware path reads."""
         config = self.config
-        tokens, parents, depths, q = self.memory.build_tree(
-            context, config.budget, config.max_depth, config.width, config.top_k, self._eta_array,
-            self._prior_array, config.fusion, self._excluded_mask)
-        return tokens.tolist(), parents.tolist(), depths.tolist(), q.tolist()
+        return self.memory.build_tree(context, config.budget, config.max_depth, config.width, config.top_k,
+                                      self._eta_array, self._prior_array, config.fusion, self._excluded_mask)
 
     def add_suffix(self, tokens: list[int], parents: list[int], depths: list[int]) -> None:
         """Insert the automaton's continuation along a root path, reusing existing nodes;

@@ -368,7 +368,7 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
             del raw
             prompt_len = inputs.input_ids.shape[1]
             limit, what = target.max_context, "context"
-            window = getattr(target, "sliding_window", None)
+            window = target.sliding_window
             if window is not None and window < limit:  # past it tree verification is not exact
                 limit, what = window, "sliding attention window"
             room = limit - prompt_len
