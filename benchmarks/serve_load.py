@@ -1,12 +1,17 @@
-"""Throughput and latency of `recap serve` through its HTTP API, ar vs recap.
+"""Throughput and latency of `recap serve` through its HTTP API, by method and concurrency.
 
 For each method a fresh server (in this process, a real uvicorn on 127.0.0.1) answers the
-same requests at concurrency 1, 4 and 8: held-out demo VLM scenes with "Describe the image."
-(or built-in prompts on a text model), after an untimed warm-up of a few requests. Printed:
-requests/s, completion tokens/s, P50/P95 latency per request, mean tau; ``--out`` writes JSON.
-The server decodes one request at a time, so concurrency adds waiting, not throughput.
+same requests at each concurrency level, after an untimed warm-up: the first turns of MMSpec
+items, topics interleaved (text only; ``--model recap-demo-vlm`` takes held-out demo scenes
+with "Describe the image." instead). A method is ``NAME[:each][@B]``: ``:each`` makes every
+request size its own tree as it would alone (no shared budget), ``@B`` caps the batch at B
+requests (``@1`` is the one-request-at-a-time server). Every answer is compared with greedy
+decoding of its prompt alone (mismatches are printed and counted). Printed: requests/s,
+completion tokens/s, P50/P95 latency, mean tau, mean requests per step; ``--out`` writes
+JSON and ``--plot`` a PNG of tokens/s and P50 latency by concurrency.
 
-    .venv/bin/python benchmarks/serve_load.py [--model recap-demo-vlm] [--requests 16] [--threads 1]
+    .venv/bin/python benchmarks/serve_load.py --model smollm2-135m \\
+        --methods ar,sam,recap,recap:each,recap@1 --concurrency 1,2,4,8 --plot docs/serve_load.png
 """
 
 from __future__ import annotations
@@ -28,29 +33,49 @@ import uvicorn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from recap.decoding import decode  # noqa: E402
 from recap.models import load  # noqa: E402
+from recap.proposers import make_proposer  # noqa: E402
 from recap.serve import ServerConfig, create_app  # noqa: E402
 
 
-def _messages(model: str, n: int, offset: int) -> list[list[dict]]:
-    if model != "recap-demo-vlm":
-        from recap.prompts import TEXT_PROMPTS as prompts
+def _mmspec_messages(count: int) -> list[list[dict]]:
+    """First turns of MMSpec items, one topic after another, as chat messages (text only)."""
+    from recap.bench import data
 
-        return [[{"role": "user", "content": prompts[(offset + i) % len(prompts)]}] for i in range(n)]
+    items = data.load_items(data.resolve_data("mmspec"))
+    by_topic: dict[str, list] = {}
+    for item in items:
+        by_topic.setdefault(item.topic, []).append(item)
+    order = [item for group in zip(*by_topic.values()) for item in group]
+    return [[{"role": "system", "content": data.MMSPEC_SYSTEM_PROMPT},
+             {"role": "user", "content": data.quote_answers(item.turns[0], [])}] for item in order[:count]]
+
+
+def _scene_messages(count: int) -> list[list[dict]]:
     from recap.demo_vlm.scenes import HELD_OUT_START, make_example
 
     out = []
-    for i in range(n):
+    for i in range(count):
         buffer = io.BytesIO()
-        make_example(HELD_OUT_START + offset + i).image().save(buffer, format="PNG")
+        make_example(HELD_OUT_START + i).image().save(buffer, format="PNG")
         url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
         out.append([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                  {"type": "text", "text": "Describe the image."}]}])
     return out
 
 
-def _run_server(target, model: str, method: str):
-    app = create_app(target, ServerConfig(model_name=model, method=method, max_queue=256))
+def _method(spec: str) -> tuple[str, bool, int | None]:
+    """``NAME[:each][@B]`` -> (method, shared budget, max batch)."""
+    name, _, batch = spec.partition("@")
+    name, _, budget = name.partition(":")
+    return name, budget != "each", int(batch) if batch else None
+
+
+def _run_server(target, model: str, spec: str):
+    method, shared, max_batch = _method(spec)
+    app = create_app(target, ServerConfig(model_name=model, method=method, max_queue=256, max_batch=max_batch,
+                                          shared_budget=shared, max_tokens_limit=4096))
     with __import__("socket").socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -59,70 +84,117 @@ def _run_server(target, model: str, method: str):
     thread.start()
     while not server.started:
         time.sleep(0.05)
-    return server, thread, f"http://127.0.0.1:{port}"
+    return app, server, thread, f"http://127.0.0.1:{port}"
 
 
 def _ask(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
     start = time.perf_counter()
-    response = httpx.post(f"{url}/v1/chat/completions", timeout=600,
+    response = httpx.post(f"{url}/v1/chat/completions", timeout=900,
                           json={"model": model, "messages": messages, "max_tokens": max_tokens})
     response.raise_for_status()
     body = response.json()
     return {"latency": time.perf_counter() - start, "tokens": body["usage"]["completion_tokens"],
-            "tau": body["recap"]["tau"]}
+            "tau": body["recap"]["tau"], "text": body["choices"][0]["message"]["content"]}
+
+
+def _plot(rows: list[dict], path: str, meta: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for method in dict.fromkeys(row["method"] for row in rows):
+        mine = [row for row in rows if row["method"] == method]
+        levels = [row["concurrency"] for row in mine]
+        left.plot(levels, [row["tokens_per_s"] for row in mine], marker="o", label=method)
+        right.plot(levels, [row["p50_s"] for row in mine], marker="o", label=method)
+    left.set(xlabel="concurrent clients", ylabel="completion tokens/s (all requests)", xscale="log")
+    right.set(xlabel="concurrent clients", ylabel="P50 latency per request (s)", xscale="log")
+    for axis in (left, right):
+        axis.set_xticks(sorted({row["concurrency"] for row in rows}), labels=None)
+        axis.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        axis.grid(alpha=0.3)
+    left.legend()
+    figure.suptitle(f"recap serve, {meta['model']}, {meta['threads']} thread(s), {meta['max_tokens']} tokens, "
+                    f"{meta['requests_per_level']} requests per level")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="recap-demo-vlm")
-    parser.add_argument("--methods", default="ar,recap")
-    parser.add_argument("--concurrency", default="1,4,8")
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--methods", default="ar,sam,recap,recap:each,recap@1")
+    parser.add_argument("--concurrency", default="1,2,4,8")
     parser.add_argument("--requests", type=int, default=16, help="timed requests per concurrency level")
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--plot", default=None)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    target = load(args.model, dtype="float32")
+    target = load(args.model, dtype=args.dtype)
     levels = [int(c) for c in args.concurrency.split(",")]
-    rows = []
-    for method in args.methods.split(","):
-        server, thread, url = _run_server(target, args.model, method)
+    make = _scene_messages if args.model == "recap-demo-vlm" else _mmspec_messages
+    prompts = make(args.warmup + args.requests * len(levels))
+    warmup, timed = prompts[:args.warmup], prompts[args.warmup:]
+    greedy = []
+    for messages in timed:  # what every answer must be
+        tokens = decode(target, make_proposer("ar"), target.prepare(messages), max_new_tokens=args.max_tokens).tokens
+        greedy.append(target.tokenizer.decode(tokens, skip_special_tokens=True))
+    rows, mismatches = [], 0
+    for spec in args.methods.split(","):
+        app, server, thread, url = _run_server(target, args.model, spec)
         try:
-            for messages in _messages(args.model, args.warmup, 10_000):
-                _ask(url, args.model, messages, args.max_tokens)
+            with ThreadPoolExecutor(max(1, min(4, args.warmup))) as pool:
+                list(pool.map(lambda m: _ask(url, args.model, m, args.max_tokens), warmup))
             for level, concurrency in enumerate(levels):
-                batch = _messages(args.model, args.requests, 100 * level)
+                batch = timed[level * args.requests:(level + 1) * args.requests]
+                expected = greedy[level * args.requests:(level + 1) * args.requests]
+                steps_before, engine = app.state.engine.batch.steps, app.state.engine
                 start = time.perf_counter()
                 with ThreadPoolExecutor(concurrency) as pool:
-                    results = list(pool.map(_ask, [url] * len(batch), [args.model] * len(batch), batch,
-                                            [args.max_tokens] * len(batch)))
+                    results = list(pool.map(lambda m: _ask(url, args.model, m, args.max_tokens), batch))
                 wall = time.perf_counter() - start
+                steps = engine.batch.steps - steps_before
+                wrong = [i for i, (r, want) in enumerate(zip(results, expected)) if r["text"] != want]
+                mismatches += len(wrong)
+                for i in wrong:
+                    print(f"  MISMATCH {spec} c={concurrency} request {i}: {results[i]['text'][:60]!r} vs "
+                          f"{expected[i][:60]!r}", flush=True)
                 latencies = sorted(r["latency"] for r in results)
-                row = {"method": method, "concurrency": concurrency, "requests": len(results),
+                iterations = sum(r["tokens"] / r["tau"] for r in results)
+                row = {"method": spec, "concurrency": concurrency, "requests": len(results),
                        "requests_per_s": len(results) / wall,
                        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
                        "p50_s": statistics.median(latencies),
                        "p95_s": latencies[min(len(latencies) - 1, round(0.95 * (len(latencies) - 1)))],
-                       "tau": statistics.mean(r["tau"] for r in results)}
+                       "tau": statistics.mean(r["tau"] for r in results),
+                       "requests_per_step": iterations / steps if steps else 0.0, "mismatches": len(wrong)}
                 rows.append(row)
-                print(f"{method:>6} c={concurrency}: {row['requests_per_s']:.2f} req/s, "
+                print(f"{spec:>12} c={concurrency}: {row['requests_per_s']:.2f} req/s, "
                       f"{row['tokens_per_s']:.1f} tok/s, P50 {row['p50_s']:.2f} s, P95 {row['p95_s']:.2f} s, "
-                      f"tau {row['tau']:.2f}", flush=True)
+                      f"tau {row['tau']:.2f}, {row['requests_per_step']:.2f} requests/step", flush=True)
         finally:
             server.should_exit = True
             thread.join(60)
-    meta = {"model": args.model, "threads": args.threads, "max_tokens": args.max_tokens,
-            "requests_per_level": args.requests, "warmup": args.warmup}
-    print("\n| method | concurrency | req/s | tok/s | P50 latency | P95 latency | tau |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    meta = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens,
+            "requests_per_level": args.requests, "warmup": args.warmup, "kernels": target.kernels,
+            "mismatches": mismatches}
+    print("\n| method | concurrency | req/s | tok/s | P50 latency | P95 latency | tau | requests/step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         print(f"| {row['method']} | {row['concurrency']} | {row['requests_per_s']:.2f} | {row['tokens_per_s']:.1f} | "
-              f"{row['p50_s']:.2f} s | {row['p95_s']:.2f} s | {row['tau']:.2f} |")
+              f"{row['p50_s']:.2f} s | {row['p95_s']:.2f} s | {row['tau']:.2f} | {row['requests_per_step']:.2f} |")
+    print(f"\nanswers different from greedy decoding alone: {mismatches}")
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    return 0
+    if args.plot:
+        _plot(rows, args.plot, meta)
+    return 1 if mismatches else 0
 
 
 if __name__ == "__main__":

@@ -167,6 +167,7 @@ def test_forty_requests_from_eight_clients_all_greedy_and_a_full_queue_answers_4
         with ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(ask, prompts))
         assert len(answers) == 40 and all(text == expected[p] for p, text in answers)
+        assert app.state.engine.batch.peak_running > 1, "the requests were never batched"
         metrics = httpx.get(f"{url}/metrics").text
         assert 'recap_requests_total{status="ok"} 40.0' in metrics
         assert_drafted({"accepted_tokens": _metric(url, "recap_accepted_tokens_total")}, min_accepted=20 * 4)

@@ -6,8 +6,10 @@ Quick start::
     target = recap.load("smollm2-135m")
     result = recap.generate(target, "Name three colours.", method="pld")
     print(result.text, result.tau)
+    results = recap.generate_batch(target, ["Name a river.", "Name a city."])   # continuous batching
 """
 
+from recap.batching import Batch, generate_batch
 from recap.decoding import DecodeStep, Decoding, GenerationResult, decode, generate
 from recap.errors import InputError, RecapError
 from recap.models import load
@@ -15,6 +17,6 @@ from recap.proposers import PROPOSERS, Proposer, make_proposer
 from recap.target import Target, TargetModel, wrap
 from recap.target.sampling import Sampling
 
-__all__ = ["PROPOSERS", "DecodeStep", "Decoding", "GenerationResult", "InputError", "Proposer", "RecapError",
-           "Sampling", "Target", "TargetModel", "decode", "generate", "load", "make_proposer", "wrap"]
+__all__ = ["PROPOSERS", "Batch", "DecodeStep", "Decoding", "GenerationResult", "InputError", "Proposer", "RecapError",
+           "Sampling", "Target", "TargetModel", "decode", "generate", "generate_batch", "load", "make_proposer", "wrap"]
 __version__ = "0.1.0"

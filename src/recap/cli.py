@@ -543,6 +543,12 @@ def _add_serve(commands) -> None:
                        help="one '<tenant> <key>' per line; clients send 'Authorization: Bearer <key>'")
     serve.add_argument("--max-queue", type=_positive, default=64,
                        help="requests admitted and not yet decoding before answering 429")
+    serve.add_argument("--max-batch", type=_positive, default=None,
+                       help="requests decoded together, one forward per step (default: 8 on the fast kernels, "
+                            "1 on stock)")
+    serve.add_argument("--batch-budget", choices=["shared", "each"], default="shared",
+                       help="shared: cost-aware drafters share each step's verification budget by expected gain; "
+                            "each: every request sizes its own tree as it would alone")
     serve.add_argument("--max-tokens-limit", type=_positive, default=1024, help="largest max_tokens a request may ask")
     serve.add_argument("--request-timeout", type=_positive, default=300, help="seconds a request may take in all")
     serve.add_argument("--max-connections", type=_positive, default=256,
@@ -599,7 +605,8 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.model if args.model in BUILTIN else os.path.basename(os.path.normpath(args.model))
     config = ServerConfig(model_name=name, method=args.method, api_keys=keys, memory_dir=args.memory_dir,
                           memory_rows=args.memory_rows,
-                          max_queue=args.max_queue, max_tokens_limit=args.max_tokens_limit,
+                          max_queue=args.max_queue, max_batch=args.max_batch,
+                          shared_budget=args.batch_budget == "shared", max_tokens_limit=args.max_tokens_limit,
                           request_timeout=float(args.request_timeout), max_body_bytes=args.max_body_bytes,
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                           allow_local_images=args.allow_local_images)

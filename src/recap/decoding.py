@@ -113,72 +113,111 @@ class Decoding:
         self.cost = cost
         self.sampler = Sampler(sampling, max_new_tokens) if sampling is not None else None
         self.result = GenerationResult(tokens=[], prompt_len=prompt_len, prefill_s=0.0, total_s=0.0)
+        self.history: list[int] = []
+        self.done = False
+        """True once EOS or the token limit is reached (no further step)."""
+        self._begun = self._closed = False
+        self._start = 0.0
+        self._proposed_at = self._propose_s = 0.0
+        self._tree = DraftTree.empty()
 
     def __iter__(self) -> Iterator[DecodeStep]:
         return self._steps()
 
     def _steps(self) -> Iterator[DecodeStep]:
-        target, proposer, result, eos = self.target, self.proposer, self.result, self.eos
-        max_new_tokens, cost = self.max_new_tokens, self.cost
+        try:
+            yield self.start()
+            while not self.done:
+                tree = self.propose()
+                verified = self.target.verify(self.history[-1], tree, self.sampler, len(self.result.tokens))
+                yield self.finish(verified)
+        finally:
+            self.close()
+
+    # The loop's parts, public so that `recap.batching` can verify many requests' trees in one
+    # forward between ``propose`` and ``finish``: one request alone runs exactly these calls.
+    def start(self) -> DecodeStep:
+        """Prefill: the prompt's KV state and the first token (the proposer begins its request)."""
+        target, proposer, result = self.target, self.proposer, self.result
         # only proposers that gate on it (sam-viskip) pay for the measurement
         target.capture_image_attention(proposer.wants_image_attention)
-        if cost is None and proposer.wants_cost:
-            cost = target.verify_cost()  # None: the target has no profile, the proposer keeps its budget
-        max_context = target.max_context or 1 << 62
-        clock = time.perf_counter
-        start = clock()
-        begun = False
-        try:
-            sampler = self.sampler
-            rows, first = target.prefill(self.inputs, sampler)
-            proposer.begin_request(rows)
-            begun = True
-            history = rows.ids.tolist() + [first]
-            result.tokens.append(first)
-            result.prefill_s = clock() - start
-            done = first in eos or max_new_tokens == 1
-            if first in eos:
+        if self.cost is None and proposer.wants_cost:
+            self.cost = target.verify_cost()  # None: the target has no profile, the proposer keeps its budget
+        self._start = time.perf_counter()
+        rows, first = target.prefill(self.inputs, self.sampler)
+        proposer.begin_request(rows)
+        self._begun = True
+        self.history = rows.ids.tolist() + [first]
+        result.tokens.append(first)
+        result.prefill_s = time.perf_counter() - self._start
+        self.done = first in self.eos or self.max_new_tokens == 1
+        if first in self.eos:
+            result.stop_reason = "eos"
+        return DecodeStep([first], 0, None)
+
+    @property
+    def limits(self) -> StepLimits:
+        """What the coming step allows: the cost profile, the cached context, the tokens left."""
+        return StepLimits(cost=self.cost, context_len=self.target.past_len,
+                          remaining=self.max_new_tokens - len(self.result.tokens))
+
+    def propose(self, tree: DraftTree | None = None) -> DraftTree:
+        """The next step's draft tree, from the proposer (or ``tree``, already chosen for this
+        request by a batch's shared budget), emptied where it would pass the model's context."""
+        self._proposed_at = t0 = time.perf_counter()
+        if tree is None:
+            tree = self.proposer.propose(self.history, self.limits)
+        max_context = self.target.max_context or 1 << 62
+        if len(tree) and self.target.past_len + tree.max_depth >= max_context:
+            tree = DraftTree.empty()  # drafts would need positions past the model's context
+        self._tree = tree
+        self._propose_s = time.perf_counter() - t0
+        return tree
+
+    def finish(self, step: VerifiedTree, *, observe_cost: bool = True) -> DecodeStep:
+        """Take a verification of the proposed tree: cut at EOS or the token limit, commit the
+        accepted nodes' KV entries, let the proposer learn, record the step. ``observe_cost``
+        off: the caller times a shared (batched) step and corrects the profile itself."""
+        target, result, tree = self.target, self.result, self._tree
+        room = self.max_new_tokens - len(result.tokens)
+        context_len = target.past_len
+        committed = step.committed
+        taken = committed[:room]
+        for i, token in enumerate(taken):
+            if token in self.eos:
+                taken = taken[: i + 1]
                 result.stop_reason = "eos"
-            yield DecodeStep([first], 0, None)
-            while not done:
-                t0 = clock()
-                context_len = target.past_len
-                room = max_new_tokens - len(result.tokens)
-                tree = proposer.propose(history, StepLimits(cost=cost, context_len=context_len, remaining=room))
-                if len(tree) and context_len + tree.max_depth >= max_context:
-                    tree = DraftTree.empty()  # drafts would need positions past the model's context
-                t1 = clock()
-                step = target.verify(history[-1], tree, sampler, len(result.tokens))
-                committed = step.committed
-                taken = committed[:room]
-                for i, token in enumerate(taken):
-                    if token in eos:
-                        taken = taken[: i + 1]
-                        result.stop_reason = "eos"
-                        break
-                done = result.stop_reason == "eos" or len(taken) == room
-                if not done:
-                    target.commit(step.accepted)
-                t2 = clock()
-                if cost is not None:
-                    cost.observe(len(tree) + 1, context_len, t2 - t1)
-                if len(taken) < len(committed):  # tokens past EOS or the limit are never learned
-                    step = replace(step, kept=len(taken))
-                proposer.observe(step)
-                t3 = clock()
-                result.cut_inside_path |= len(taken) < len(committed)
-                result.tokens.extend(taken)
-                history.extend(taken)
-                iteration = IterationStats(len(tree), len(step.accepted), t1 - t0, t2 - t1, t3 - t2)
-                result.iterations.append(iteration)
-                yield DecodeStep(list(taken), min(len(step.accepted), len(taken)), iteration)
-        finally:
-            try:
-                if begun:
-                    proposer.end_request()
-            finally:  # a proposer that fails to end its request must not keep the KV cache alive
-                target.release()
-                result.total_s = clock() - start
+                break
+        self.done = result.stop_reason == "eos" or len(taken) == room
+        if not self.done:
+            target.commit(step.accepted)
+        t2 = time.perf_counter()
+        t1 = self._proposed_at + self._propose_s
+        if observe_cost and self.cost is not None:
+            self.cost.observe(len(tree) + 1, context_len, t2 - t1)
+        if len(taken) < len(committed):  # tokens past EOS or the limit are never learned
+            step = replace(step, kept=len(taken))
+        self.proposer.observe(step)
+        t3 = time.perf_counter()
+        result.cut_inside_path |= len(taken) < len(committed)
+        result.tokens.extend(taken)
+        self.history.extend(taken)
+        iteration = IterationStats(len(tree), len(step.accepted), self._propose_s, t2 - t1, t3 - t2)
+        result.iterations.append(iteration)
+        return DecodeStep(list(taken), min(len(step.accepted), len(taken)), iteration)
+
+    def close(self) -> None:
+        """End the proposer's request and free the KV cache (idempotent; also after an error)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._begun:
+                self.proposer.end_request()
+        finally:  # a proposer that fails to end its request must not keep the KV cache alive
+            self.target.release()
+            if self._start:
+                self.result.total_s = time.perf_counter() - self._start
 
 
 def decode(target: Target, proposer: Proposer, inputs: ModelInputs | Sequence[int], *, max_new_tokens: int = 128,

@@ -48,11 +48,16 @@ RELIABILITY_BINS = 10
 
 _N_RECYCLED = Q_BINS * (len(DEPTH_EDGES) + 1)
 _N_EVIDENCE = len(EVIDENCE_EDGES) + 1
-_N_CONTINUATION = 2 * _N_EVIDENCE
-"""Per continuation source: evidence buckets x (first | later)."""
+_N_PHASE = 2 * _N_EVIDENCE
+"""Per continuation source and phase: evidence buckets x (first | later)."""
+_N_CONTINUATION = 2 * _N_PHASE
+"""Per continuation source: (running | opening) x evidence buckets x (first | later)."""
 LEGACY_CELLS = _N_RECYCLED + 2 * 49
 """Cell count of calibrations saved before the evidence cells (match length x offset
 buckets): their recycled counts still apply, their continuation counts are dropped."""
+EVIDENCE_CELLS = _N_RECYCLED + 2 * _N_PHASE
+"""Cell count of calibrations saved before the opening cells: their recycled counts and
+their continuation counts (as running ones) still apply; opening cells start from the prior."""
 
 CONTINUATION_PRIOR = np.array([0.15, 0.3, 0.5, 0.75, 0.85, 0.85, 0.85, 0.85])
 """Prior acceptance of a continuation's first token by evidence bucket (later tokens, given
@@ -90,11 +95,12 @@ def evidence(match_length: int, offsets: np.ndarray) -> np.ndarray:
     return match_length + np.asarray(offsets, dtype=np.int64) - 1
 
 
-def continuation_cells(source: int, match_length: int, offsets: np.ndarray) -> np.ndarray:
-    """Cell indices of a continuation chain's tokens (offsets 1, 2, ...) under one match."""
+def continuation_cells(source: int, match_length: int, offsets: np.ndarray, opening: bool = False) -> np.ndarray:
+    """Cell indices of a continuation chain's tokens (offsets 1, 2, ...) under one match;
+    ``opening``: drafted at the request's first step."""
     offsets = np.asarray(offsets, dtype=np.int64)
     bucket = np.searchsorted(EVIDENCE_EDGES, evidence(match_length, offsets), side="right")
-    base = _N_RECYCLED + (source - REQUEST) * _N_CONTINUATION
+    base = _N_RECYCLED + (source - REQUEST) * _N_CONTINUATION + (_N_PHASE if opening else 0)
     return base + 2 * bucket + (offsets > 1)
 
 
@@ -105,6 +111,18 @@ def run_prior(evidence: np.ndarray, later: np.ndarray) -> np.ndarray:
     bucket = np.searchsorted(EVIDENCE_EDGES, evidence, side="right")
     table = np.minimum(CONTINUATION_PRIOR[bucket] + np.where(later, 0.1, 0.0), 0.9)
     return np.maximum(table, evidence / (evidence + RUN_PSEUDO))
+
+
+def _with_opening_cells(counts: np.ndarray) -> np.ndarray:
+    """Counts of the `EVIDENCE_CELLS` layout in today's: each source's cells become its
+    running ones, its opening ones start empty."""
+    out = np.zeros(_N_RECYCLED + 2 * _N_CONTINUATION)
+    out[:_N_RECYCLED] = counts[:_N_RECYCLED]
+    for source in range(2):
+        old = _N_RECYCLED + source * _N_PHASE
+        new = _N_RECYCLED + source * _N_CONTINUATION
+        out[new:new + _N_PHASE] = counts[old:old + _N_PHASE]
+    return out
 
 
 class AcceptanceCalibrator:
@@ -123,8 +141,7 @@ class AcceptanceCalibrator:
         # A cell's prior is the smooth prior at its bucket's lowest evidence (the 65+ bucket at 65).
         lowest = np.concatenate([[1], EVIDENCE_EDGES])
         grid = np.stack([run_prior(lowest, False), run_prior(lowest, True)], axis=1).reshape(-1)
-        self.prior[_N_RECYCLED:_N_RECYCLED + _N_CONTINUATION] = grid
-        self.prior[_N_RECYCLED + _N_CONTINUATION:] = grid
+        self.prior[_N_RECYCLED:] = np.tile(grid, 4)  # both sources, both phases
         self._estimate = self.prior.copy()
         self.reliability_counts = np.zeros(RELIABILITY_BINS, dtype=np.float64)
         self.reliability_predicted = np.zeros(RELIABILITY_BINS, dtype=np.float64)
@@ -141,6 +158,8 @@ class AcceptanceCalibrator:
         if trials.shape == accepts.shape == (LEGACY_CELLS,):  # recycled counts carry over
             trials = np.concatenate([trials[:_N_RECYCLED], np.zeros(2 * _N_CONTINUATION)])
             accepts = np.concatenate([accepts[:_N_RECYCLED], np.zeros(2 * _N_CONTINUATION)])
+        elif trials.shape == accepts.shape == (EVIDENCE_CELLS,):  # + continuation counts, as running
+            trials, accepts = (_with_opening_cells(counts) for counts in (trials, accepts))
         if trials.shape != self.trials.shape or accepts.shape != self.accepts.shape:
             raise ValueError(f"calibration counts for {trials.shape[0]} cells; this RECAP has {self.trials.shape[0]}")
         self.trials = trials.copy()
@@ -154,11 +173,13 @@ class AcceptanceCalibrator:
         """P(accepted | parent accepted) for nodes in ``cells``."""
         return self._estimate[cells]
 
-    def continuation(self, source: int, match_length: int, offsets: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def continuation(self, source: int, match_length: int, offsets: np.ndarray,
+                     opening: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(estimates, cells) of a chain's tokens: the smooth prior of each token's evidence,
-        scaled by its cell's observed/prior ratio, at most `CONTINUATION_CAP`."""
+        scaled by its cell's observed/prior ratio, at most `CONTINUATION_CAP`; ``opening``:
+        the chain is drafted at the request's first step (cells of their own)."""
         offsets = np.asarray(offsets, dtype=np.int64)
-        cells = continuation_cells(source, match_length, offsets)
+        cells = continuation_cells(source, match_length, offsets, opening)
         prior = run_prior(evidence(match_length, offsets), offsets > 1)
         if not self.enabled:
             return prior, cells

@@ -81,10 +81,11 @@ def _order(path, depths, n):
 
 
 @njit(cache=True)
-def _best_size(sorted_path, curve, n_max):
-    """argmax over N in [0, n_max] of (1 + sum of the first N) / curve[N] (first maximum)."""
+def _best_size(sorted_path, curve, n_max, base=1.0):
+    """argmax over N in [0, n_max] of (base + sum of the first N) / curve[N] (first maximum);
+    base: the tokens committed anyway (one bonus token per request)."""
     best = 0
-    expected = 1.0
+    expected = base
     best_value = expected / curve[0]
     for k in range(1, n_max + 1):
         expected += sorted_path[k - 1]
@@ -223,14 +224,38 @@ def best_size(path_probs_sorted: np.ndarray, cost: CostProfile | None, context_l
                           n_max))
 
 
-def choose(candidates: Candidates, cost: CostProfile | None, context_len: int,
-           cap: int | None = None, max_depth: int | None = None) -> tuple[DraftTree, ChosenTree]:
-    """The draft tree for this step (see the module docstring) and what to learn from;
-    nodes deeper than ``max_depth`` (what the request can still use) are never drafted."""
+@dataclass
+class Ranked:
+    """Candidates in drafting order (`_order`: every parent before its children), those too
+    deep for the request left out: a best-first offer from which any prefix is a valid tree."""
+
+    candidates: Candidates
+    order: np.ndarray
+    """Usable candidate indices, best first."""
+    path: np.ndarray
+    """Every candidate's path probability (indexed like the candidates)."""
+
+    @property
+    def gains(self) -> np.ndarray:
+        """Path probabilities in drafting order (non-increasing): what the i-th node adds to
+        the expected tokens of the step."""
+        return self.path[self.order]
+
+    def take(self, size: int) -> tuple[DraftTree, ChosenTree]:
+        """The tree of the best ``size`` nodes, and what to learn from it."""
+        c = self.candidates
+        chosen = self.order[:size]
+        tokens, parents, depths = _subtree(chosen, c._tokens, c._parents, c._depths, c.n)
+        tree = DraftTree._trusted(tokens, parents, depths)
+        return tree, ChosenTree(tree, c._probs[chosen], c._cells[chosen], float(self.path[chosen].sum()))
+
+
+def rank(candidates: Candidates, cap: int | None = None, max_depth: int | None = None) -> Ranked:
+    """The candidates best first, at most ``cap`` of them, none deeper than ``max_depth``
+    (what the request can still use)."""
     n = len(candidates)
     if n == 0:
-        tree = DraftTree.empty()
-        return tree, ChosenTree(tree, np.zeros(0), np.zeros((0, SOURCES_PER_NODE), np.int64))
+        return Ranked(candidates, np.zeros(0, np.int64), np.zeros(0))
     path = candidates.path_probs()
     usable = n
     if max_depth is not None:
@@ -240,12 +265,42 @@ def choose(candidates: Candidates, cost: CostProfile | None, context_len: int,
             usable = n - int(too_deep.sum())
     order = _order(path, candidates._depths, n)
     n_max = usable if cap is None else max(0, min(cap, usable))
+    return Ranked(candidates, order[:n_max], path)
+
+
+def choose(candidates: Candidates, cost: CostProfile | None, context_len: int,
+           cap: int | None = None, max_depth: int | None = None) -> tuple[DraftTree, ChosenTree]:
+    """The draft tree for this step (see the module docstring) and what to learn from;
+    nodes deeper than ``max_depth`` (what the request can still use) are never drafted."""
+    ranked = rank(candidates, cap, max_depth)
+    n_max = len(ranked.order)
     size = n_max if cost is None or n_max == 0 else \
-        int(_best_size(path[order], cost.curve(n_max + 1, context_len), n_max))
-    chosen = order[:size]
-    tokens, parents, depths = _subtree(chosen, candidates._tokens, candidates._parents, candidates._depths, n)
-    tree = DraftTree._trusted(tokens, parents, depths)
-    return tree, ChosenTree(tree, candidates._probs[chosen], candidates._cells[chosen], float(path[chosen].sum()))
+        int(_best_size(ranked.gains, cost.curve(n_max + 1, context_len), n_max))
+    return ranked.take(size)
+
+
+def share_budget(gains: Sequence[np.ndarray], fixed_rows: int, requests: int, cost: CostProfile | None,
+                 context_len: int = 0) -> list[int]:
+    """How many nodes each request of a batched step drafts from its best-first ``gains``
+    (path probabilities, non-increasing), given ``fixed_rows`` packed rows the step has
+    anyway (every request's root, the trees of methods that size their own) and the
+    ``requests`` in the step (each commits its bonus token): the counts maximising expected
+    committed tokens per second of the whole step,
+
+        (requests + sum of the chosen gains) / t(fixed_rows + chosen).
+
+    Every node costs the same row in t, so for each total the best set is the largest gains
+    over all requests (a prefix of each request's offer, hence valid trees): sorting the
+    merged gains and scanning the totals finds the exact optimum. No cost profile: all."""
+    sizes = [len(g) for g in gains]
+    if cost is None or not sum(sizes):
+        return sizes
+    merged = np.concatenate([np.asarray(g, np.float64) for g in gains])
+    owner = np.repeat(np.arange(len(gains)), sizes)
+    order = np.argsort(-merged, kind="stable")  # stable: each request's own order is kept on ties
+    curve = cost.curve(fixed_rows + len(merged), context_len)[fixed_rows - 1:]
+    total = int(_best_size(merged[order], curve, len(merged), float(requests)))
+    return np.bincount(owner[order[:total]], minlength=len(gains)).tolist()
 
 
 class ChosenSizes(Sequence[int]):

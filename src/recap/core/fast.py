@@ -609,6 +609,16 @@ class FastMemory:
         self._n_rows = 0
         self._shrink()
 
+    def snapshot(self) -> FastMemory:
+        """A copy of U (the pool and the unigram map), with empty C and G: what a request that
+        overlaps another of the same stream drafts from."""
+        copy = FastMemory(self.vocab_size, self.top_k)
+        for name in ("_ids", "_probs", "_conf", "_len"):
+            setattr(copy, name, getattr(self, name).copy())
+        copy._n_rows = self._n_rows
+        copy.unigram = self.unigram.copy()
+        return copy
+
     # -------------------------------------------------------------- storage
     def _reserve(self, need: int) -> None:
         """Room for ``need`` more rows: the pool doubles when full."""

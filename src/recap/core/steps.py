@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,3 +79,14 @@ class StepLimits:
     def max_depth(self) -> int | None:
         """The deepest draft the request can still use (``remaining - 1``; None: unknown)."""
         return None if self.remaining is None else self.remaining - 1
+
+
+@dataclass(frozen=True)
+class DraftOffer:
+    """A cost-aware proposer's candidates for one step, best first, for a batch that shares
+    one verification budget between requests (`recap.core.chooser.share_budget`)."""
+
+    gains: np.ndarray
+    """Path probability of the i-th best node (non-increasing; every node after its parent)."""
+    take: Callable[[int], DraftTree]
+    """The tree of the best n nodes; the proposer learns from it as from its own choice."""

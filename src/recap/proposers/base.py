@@ -6,10 +6,11 @@ returns draft trees. It never sees the model, so any proposer runs on any target
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from recap.core import DraftTree, PromptRows, StepLimits, VerifiedTree
+from recap.core import DraftOffer, DraftTree, PromptRows, StepLimits, VerifiedTree
 
 
 @runtime_checkable
@@ -38,9 +39,19 @@ class Proposer(Protocol):
 
     def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree: ...
 
+    def offer(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftOffer | None:
+        """Instead of ``propose``, when a batch shares one verification budget between its
+        requests: this step's candidates best first, with their path probabilities, the tree
+        then taken by the batch. None: the method sizes its own tree (``propose`` is called)."""
+
     def observe(self, step: VerifiedTree) -> None: ...
 
     def end_request(self) -> None: ...
+
+    def fork_request(self) -> Proposer:
+        """A proposer for one request that runs while another request of this stream is in
+        flight (batched serving): it drafts from the stream as it is now, with request state
+        of its own, and the caller runs the request's lifecycle on it."""
 
     def reset_stream(self) -> None: ...
 
@@ -71,11 +82,19 @@ class BaseProposer:
     def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree:
         return DraftTree.empty()
 
+    def offer(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftOffer | None:
+        return None
+
     def observe(self, step: VerifiedTree) -> None:
         pass
 
     def end_request(self) -> None:
         pass
+
+    def fork_request(self) -> Proposer:
+        """A copy of the stream as it is now: what the overlapping request learns is not kept
+        (`RecapProposer` feeds its token memory back into the stream at the request's end)."""
+        return copy.deepcopy(self)
 
     def reset_stream(self) -> None:
         """Forget state carried across requests (a new stream starts)."""

@@ -25,15 +25,16 @@ store persist across its requests; C/G and the automaton are per request.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import copy
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from os import PathLike
 
 import numpy as np
 
-from recap.core import ROOT, DraftTree, PromptRows, StepLimits, VerifiedTree
-from recap.core.calibration import LEGACY_CELLS, REQUEST, STORE, AcceptanceCalibrator, is_recycled, recycled_cells
-from recap.core.chooser import Candidates, ChosenSizes, ChosenTree, choose
+from recap.core import ROOT, DraftOffer, DraftTree, PromptRows, StepLimits, VerifiedTree
+from recap.core.calibration import EVIDENCE_CELLS, LEGACY_CELLS, REQUEST, STORE, AcceptanceCalibrator, is_recycled, recycled_cells
+from recap.core.chooser import Candidates, ChosenSizes, ChosenTree, choose, rank
 from recap.core.fast import FUSION_MODES, PRIORS, FastMemory, context_of
 from recap.core.store import OutputStore
 from recap.core.suffix import SuffixAutomaton
@@ -171,6 +172,8 @@ class RecapProposer(BaseProposer):
         self._request_expected = 0.0
         self._request_accepted = 0
         self._factor = 1.0
+        self._steps = 0
+        """Verified steps of the request so far."""
         self._stages = StageTimer()
         self.chosen_sizes = ChosenSizes()
         """Draft nodes chosen at each step of the stream (cost-aware configurations): the
@@ -178,6 +181,10 @@ class RecapProposer(BaseProposer):
         self._last_seen: dict[int, int] = {}
         """token -> the last request whose text held it (eviction order of U)."""
         self._requests = 0
+        self._parent: RecapProposer | None = None
+        """The stream a forked request (`fork_request`) belongs to; None for the stream itself."""
+        self._journal: list[Callable[[FastMemory], None]] | None = None
+        """A forked request's U writes, replayed into the stream at its end."""
         if memory_file is not None:
             self.load_memory(memory_file)
 
@@ -207,6 +214,9 @@ class RecapProposer(BaseProposer):
         elif not self.config.persistent_context:
             self.memory.reset_request()
         self.memory.seed_from_prompt(prompt.ids, prompt.topk_ids, prompt.topk_logits, prompt.eligible)
+        if self._journal is not None:
+            self._journal.append(lambda memory, p=prompt: memory.seed_from_prompt(p.ids, p.topk_ids, p.topk_logits,
+                                                                                  p.eligible))
         if prompt.excluded_tokens != self._excluded or self._excluded_mask is None:
             self._excluded = prompt.excluded_tokens
             self._excluded_mask = None
@@ -219,6 +229,7 @@ class RecapProposer(BaseProposer):
         self._request_expected = 0.0
         self._request_accepted = 0
         self._factor = 1.0
+        self._steps = 0
         if self.config.stream_store:
             self._store_match = self.store.matcher()
             self._store_match.sync(prompt.ids.tolist())
@@ -229,13 +240,31 @@ class RecapProposer(BaseProposer):
         return bool(self.config.suffix_tokens) or self.config.long_continuation
 
     def end_request(self) -> None:
+        if self._parent is not None:  # a forked request: its U rows go back into the stream
+            self._parent._replay(self._journal, self.vocab_size)
+            self._journal = []
         if self.config.stream_store:
             self.store.add(self._generated)
-        if self.config.max_memory_rows is not None:
+        if self.config.max_memory_rows is not None and self._parent is None:
             self._evict(self.config.max_memory_rows)
         if not self.config.persistent_context:
             self.memory.reset_request()
         self._pending = None
+
+    def fork_request(self) -> RecapProposer:
+        """A proposer for a request that overlaps another of this stream (batched serving). It
+        drafts from a snapshot of U, with C, G and the automaton its own, and shares the
+        stream's calibration and output store (one thread runs both, so their updates simply
+        interleave). The rows it writes into U are kept and replayed into the stream's U when
+        it ends (U only: the stream's own request keeps its C and G), so no request's
+        learning is lost."""
+        child = copy.copy(self)
+        child.memory = self.memory.snapshot() if self.memory is not None else None
+        child._pending_memory = None  # a saved file is installed by the stream's own request
+        child._stages = StageTimer()
+        child._parent = self
+        child._journal = []
+        return child
 
     def _evict(self, bound: int) -> None:
         """Keep at most ``bound`` U rows: those whose token was most recently in a request."""
@@ -289,6 +318,24 @@ class RecapProposer(BaseProposer):
         calibration updates)."""
         return self._stages.last
 
+    def offer(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftOffer | None:
+        """The cost-aware candidates best first, for a batch's shared budget (the paper's tree
+        and the fixed-budget ablation size themselves: None)."""
+        if not (self.config.scored and self.config.cost_aware):
+            return None
+        self.sync_automaton(history)
+        self._context = context_of(history)
+        cap = limits.max_nodes if limits is not None else None
+        ranked = rank(self.candidates(history, limits.max_depth if limits is not None else None), cap,
+                      limits.max_depth if limits is not None else None)
+
+        def take(size: int) -> DraftTree:
+            tree, self._pending = ranked.take(size)
+            self.chosen_sizes.append(len(tree))
+            return tree
+
+        return DraftOffer(ranked.gains, take)
+
     def select(self, candidates: Candidates, limits: StepLimits | None) -> DraftTree:
         """The step's tree: the cost-optimal prefix of the candidates (`recap.core.chooser`);
         without a cost profile (or with ``cost_aware`` off), the best ``budget`` of them."""
@@ -318,12 +365,13 @@ class RecapProposer(BaseProposer):
         if factor != 1.0:
             recycled = np.minimum(recycled * factor, 0.999)
         candidates = Candidates(tokens, parents, depths, recycled, recycled_cells(q, depths))
+        opening = not self._steps  # the match rests on the prompt alone (see `calibration`)
         if self._continues:
             length, end = self.automaton.longest_match()
             if length:
                 size = config.continuation_length(length, room)
                 chain = self._clean(self.automaton.tokens[end + 1 : end + 1 + size])
-                probs, cells = calibrator.continuation(REQUEST, length, np.arange(1, len(chain) + 1))
+                probs, cells = calibrator.continuation(REQUEST, length, np.arange(1, len(chain) + 1), opening)
                 candidates.add_chain(chain, probs, cells)
         if config.stream_store and len(self.store):
             match = self._store_match
@@ -331,7 +379,7 @@ class RecapProposer(BaseProposer):
             if match.length:
                 length, chain = match.continuation(config.continuation_length(match.length, room))
                 chain = self._clean(chain)
-                probs, cells = calibrator.continuation(STORE, length, np.arange(1, len(chain) + 1))
+                probs, cells = calibrator.continuation(STORE, length, np.arange(1, len(chain) + 1), opening)
                 candidates.add_chain(chain, probs, cells)
         return candidates
 
@@ -404,6 +452,7 @@ class RecapProposer(BaseProposer):
         if self._continues:
             for token in committed:
                 self.automaton.extend(token)
+        self._steps += 1
         if self.config.scored:
             self._generated.extend(committed)
             if self._pending is not None and self._pending.tree is step.tree:
@@ -436,6 +485,19 @@ class RecapProposer(BaseProposer):
         """Every evaluated node's row into U, C and G under its own path context."""
         self.memory.refresh(self._context, step.tree.tokens, step.tree.parents, step.topk_ids, step.topk_logits,
                             self.config.fusion != "unigram")
+        if self._journal is not None:
+            self._journal.append(lambda memory, c=self._context, s=step: memory.refresh(
+                c, s.tree.tokens, s.tree.parents, s.topk_ids, s.topk_logits, False))
+
+    def _replay(self, journal: list, vocab_size: int | None) -> None:
+        """A forked request's U writes (prompt seeding, step rows), in their order, into this
+        stream's U."""
+        if not journal or vocab_size is None:
+            return
+        if self.memory is None or self.vocab_size != vocab_size:
+            self.memory, self.vocab_size = FastMemory(vocab_size, self.config.top_k), vocab_size
+        for write in journal:
+            write(self.memory)
 
     # ------------------------------------------------------------------ persistence
     def save_memory(self, path: str | PathLike) -> None:
@@ -477,7 +539,7 @@ class RecapProposer(BaseProposer):
                                   f"RECAP keeps {self.config.top_k} (top_k)")
         if saved.calibration is not None and self.config.calibration:
             cells, found = self.calibrator.trials.shape[0], saved.calibration[0].shape[0]
-            if found not in (cells, LEGACY_CELLS):  # legacy: recycled counts kept
+            if found not in (cells, LEGACY_CELLS, EVIDENCE_CELLS):  # older layouts (`AcceptanceCalibrator.restore`)
                 raise MemoryFileError(f"memory file {saved.path}: calibration counts for {found} cells; this RECAP "
                                       f"has {cells}")
 

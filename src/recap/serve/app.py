@@ -5,7 +5,8 @@ a traceback, and no message shows a server path. A chat request is admitted befo
 that costs: the origin (keyless servers), the key, the content type, a queue slot, then the
 body, read as it streams in and cut off at its limit; only then is its JSON parsed, its
 model name checked, its image decoded and its prompt tokenised (one request at a time), and
-the prepared job queued for the single decoding thread (`recap.serve.engine`).
+the prepared job queued for the decoding thread, which batches requests step by step
+(`recap.serve.engine`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class ServerConfig:
     """Bound of each tenant's RECAP token memory (rows); None: one row per vocabulary token."""
     max_queue: int = 64
     """Requests admitted and not yet decoding (being read, prepared or waiting) before a 429."""
+    max_batch: int | None = None
+    """Requests decoded together, one forward per step (continuous batching); None: the
+    target's default (`recap.serve.engine.default_max_batch`)."""
+    shared_budget: bool = True
+    """Cost-aware drafters share one verification budget per step by expected gain; False:
+    each request sizes its own tree as it would alone."""
     max_tokens_limit: int = 1024
     request_timeout: float = 300.0
     max_body_bytes: int = 16 * 1024 * 1024
@@ -91,6 +98,9 @@ def _checked(config: ServerConfig) -> ImagePolicy:
             if not valid_tenant_name(tenant):
                 raise InputError(f"invalid tenant name {str(tenant)[:64]!r}: letters, digits and '_.-', at most 64, "
                                  "starting with a letter or digit")
+    if config.max_batch is not None and (isinstance(config.max_batch, bool) or not isinstance(config.max_batch, int)
+                                         or config.max_batch < 1):
+        raise InputError(f"max_batch must be a positive integer, got {config.max_batch!r}")
     for name in ("max_queue", "max_tokens_limit", "max_body_bytes", "max_image_bytes", "max_image_pixels"):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -248,7 +258,8 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
         else:
             metrics.requests.labels(str(event.get("status", 500))).inc()
 
-    engine = Engine(target, tenants, max_queue=config.max_queue, on_finish=on_finish)
+    engine = Engine(target, tenants, max_queue=config.max_queue, max_batch=config.max_batch,
+                    shared_budget=config.shared_budget, on_finish=on_finish)
     admission = Admission(engine, config.max_queue)
     preparing = asyncio.Semaphore(1)  # one JSON parse / image decode / tokenisation at a time: memory is bounded
 
@@ -300,7 +311,7 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": config.model_name, "method": config.method, "queue": engine.depth,
-                "busy": engine.busy}
+                "busy": engine.busy, "running": len(engine.batch.running), "max_batch": engine.batch.max_batch}
 
     @app.get("/metrics")
     async def prometheus():

@@ -1,11 +1,15 @@
-"""One model, one request at a time: a FIFO queue in front of a single decoding thread.
+"""One model, continuous batching: a FIFO queue in front of a single decoding thread that
+steps a `recap.batching.Batch`.
 
 The HTTP side submits a `Job` (already validated: its inputs prepared) and reads its events;
-the worker runs the job's `Decoding` step by step, turns each step into text
-(`IncrementalDetokenizer`), and checks between steps whether the job was cancelled (client
-gone, time limit, shutdown). Whatever happens, `Decoding` frees the KV cache and the tenant's
-memory is saved after the request; the worker holds the tenant's lock while the request
-changes its stream, so a save (the shutdown's included) never reads a stream mid-change.
+the worker moves queued jobs into the batch (each on a lane of its own, prefilled one per
+step so running requests never wait longer than one prefill), steps every running request
+in one forward, turns each request's step into text (`IncrementalDetokenizer`), and checks
+between steps whether a job was cancelled (client gone, time limit, shutdown). Whatever
+happens, the request's lane is freed and its tenant's memory saved before it is answered;
+the worker holds the tenant's lock while any of its requests runs, so a save (the
+shutdown's included) never reads a stream mid-change. A tenant's requests that overlap run
+on forks of its stream (`Proposer.fork_request`).
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from recap.batching import DEFAULT_MAX_BATCH, Batch, BatchEvent
 from recap.decoding import Decoding
 from recap.serve.tenants import TenantStreams
-from recap.target import ModelInputs, TargetModel
+from recap.target import ModelInputs, Target
 from recap.target.sampling import Sampling
 
 log = logging.getLogger("recap.serve")
@@ -121,40 +126,65 @@ class Job:
         self.cancelled.set()
 
 
-class Engine:
-    """The decoding thread and its queue."""
+@dataclass
+class _Active:
+    """A job in the batch: its decoding, its text so far, and whether it has its tenant's stream."""
 
-    def __init__(self, target: TargetModel, tenants: TenantStreams, *, max_queue: int = 64,
+    job: Job
+    decoding: Decoding
+    detokenizer: IncrementalDetokenizer
+
+
+def default_max_batch(target: Target) -> int:
+    """Requests stepped together by default: `recap.batching.DEFAULT_MAX_BATCH` where the
+    target's lanes share one forward (the fast kernels), else 1 (one request at a time)."""
+    return DEFAULT_MAX_BATCH if target.batches else 1
+
+
+class Engine:
+    """The decoding thread, its queue and its continuous batch."""
+
+    def __init__(self, target: Target, tenants: TenantStreams, *, max_queue: int = 64,
+                 max_batch: int | None = None, shared_budget: bool = True,
                  on_finish: Callable[[Job, dict[str, Any]], None] | None = None):
         self.target = target
         self.tenants = tenants
         self.max_queue = max_queue
         self.on_finish = on_finish
+        self.batch = Batch(max_batch=max_batch or default_max_batch(target), shared_budget=shared_budget)
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._waiting = 0
         self._lock = threading.Lock()
         self._accepting = True
-        self.busy = False
+        self._active: dict[Decoding, _Active] = {}
+        self._in_flight: dict[str, int] = {}
+        """Requests of each tenant in the batch: the first has the tenant's stream, the others
+        a fork of it (`Proposer.fork_request`)."""
         self._thread = threading.Thread(target=self._run, name="recap-decoder", daemon=True)
         self._thread.start()
 
     @property
     def depth(self) -> int:
-        """Requests waiting (the one being decoded not counted)."""
-        return self._waiting
+        """Requests waiting: queued, or taken but not yet prefilled (running ones not counted)."""
+        return self._waiting + len(self.batch.waiting)
+
+    @property
+    def busy(self) -> bool:
+        """Whether a request is being decoded (or taken into the batch)."""
+        return bool(self._active) or self._admitting
 
     def submit(self, job: Job) -> None:
         with self._lock:
             if not self._accepting:
                 raise QueueFull("the server is shutting down")
-            if self._waiting >= self.max_queue:
-                raise QueueFull(f"{self._waiting} requests are already waiting")
+            if self.depth >= self.max_queue:
+                raise QueueFull(f"{self.depth} requests are already waiting")
             self._waiting += 1
         self._queue.put(job)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Refuse new jobs, cancel the waiting ones, let the current one finish (or cancel it
-        after ``timeout``), then save every tenant's memory."""
+        """Refuse new jobs, cancel the waiting ones, let the running ones finish (or cancel
+        them after ``timeout``), then save every tenant's memory."""
         with self._lock:
             self._accepting = False
         while True:
@@ -170,69 +200,116 @@ class Engine:
         self._queue.put(None)
         self._thread.join(timeout)
         if self._thread.is_alive():
-            log.warning("the request in flight did not finish within %.0f s; cancelling it", timeout)
+            log.warning("the requests in flight did not finish within %.0f s; cancelling them", timeout)
             self._cancel_current = True
             self._thread.join(timeout)
-        # a decoder still running holds its tenant's lock: that tenant keeps its last saved file
+        # a decoder still running holds its tenants' locks: those tenants keep their last saved file
         self.tenants.save_all(timeout=0.0 if self._thread.is_alive() else None)
 
     # ------------------------------------------------------------------ worker
     _cancel_current = False
+    _admitting = False
 
     def _run(self) -> None:
+        stopping = False
+        while not stopping or self._active:
+            stopping = self._take(block=not self._active) or stopping
+            if not self._active:
+                continue
+            try:
+                events = self.batch.step()
+            except Exception:  # noqa: BLE001 - the worker must survive any request
+                log.exception("a batched step failed")
+                for active in list(self._active.values()):
+                    self.batch.cancel(active.decoding)
+                    self._end(active, {"type": "error", "message": "internal server error", "status": 500})
+                continue
+            for event in events:
+                self._on_event(event)
+            self._check_limits()
+
+    def _take(self, block: bool) -> bool:
+        """Move queued jobs into the batch (waiting for one when ``block``); True on the
+        shutdown sentinel."""
         while True:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=None) if block else self._queue.get_nowait()
+            except queue.Empty:
+                return False
+            block = False
             if job is None:
-                return
+                return True
             with self._lock:
                 self._waiting -= 1
             if job.cancelled.is_set():
                 self._finish(job, {"type": "error", "message": "cancelled before it started", "status": 499})
                 continue
-            self.busy = True
             try:
-                event = self._serve(job)
-            except Exception:  # noqa: BLE001 - the worker must survive any request
-                log.exception("request failed")
-                event = {"type": "error", "message": "internal server error", "status": 500}  # details: the log
-            try:  # before answering: an answered request's memory is on disk
-                self.tenants.save(job.tenant)
+                self._admit(job)
             except Exception:  # noqa: BLE001
-                log.exception("tenant %s: saving its memory failed", job.tenant)
-            self.busy = False
-            self._finish(job, event)
+                log.exception("request failed")
+                self._finish(job, {"type": "error", "message": "internal server error", "status": 500})
 
-    def _serve(self, job: Job) -> dict[str, Any]:
-        """Decode one job, emitting its text as it comes; return its final event."""
-        with self.tenants.lock(job.tenant):  # no save reads the stream while this request changes it
-            detokenizer = IncrementalDetokenizer(self.target.tokenizer)
-            proposer = self.tenants.stream(job.tenant)
-            decoding = Decoding(self.target, proposer, job.inputs, max_new_tokens=job.max_tokens,
-                                sampling=job.sampling)
-            steps = iter(decoding)
-            reason = None
-            try:
-                for step in steps:
-                    delta, drafted_text = detokenizer.add(step.tokens, step.drafted)
-                    if delta:
-                        job.emit({"type": "text", "text": delta, "drafted_text": drafted_text,
-                                  "tokens": len(step.tokens), "drafted": step.drafted})
-                    if job.cancelled.is_set() or self._cancel_current:
-                        reason = "cancelled"
-                        break
-                    if time.monotonic() > job.deadline:
-                        reason = "timeout"
-                        break
-            finally:
-                steps.close()
-        result = decoding.result
-        if reason == "cancelled":
-            return {"type": "error", "message": "the request was cancelled", "status": 499}
-        if reason == "timeout":
-            return {"type": "error", "message": "the request ran past the server's time limit", "status": 504}
-        rest, drafted_text, text = detokenizer.finish()  # what was held back, or a tokenizer's late spelling
+    def _admit(self, job: Job) -> None:
+        """Queue the job's decoding in the batch, on a lane of its own, with its tenant's stream
+        (or a fork of it when another of the tenant's requests is in flight). The tenant's lock
+        is held until the request ends, so no save reads its stream mid-change."""
+        self._admitting = True
+        lock = self.tenants.lock(job.tenant)
+        lock.acquire()
+        try:
+            stream = self.tenants.stream(job.tenant)
+            proposer = stream.fork_request() if self._in_flight.get(job.tenant) else stream
+            if proposer.wants_cost and self.batch.cost is None:
+                self.batch.cost = self.target.verify_cost()
+            lane = (self.target.fork() if self.batch.max_batch > 1 else None) or self.target
+            lane.prefix_scope = job.tenant  # no tenant's prefill time depends on another's prompts
+            decoding = Decoding(lane, proposer, job.inputs, max_new_tokens=job.max_tokens,
+                                sampling=job.sampling, cost=self.batch.cost if proposer.wants_cost else None)
+        except BaseException:
+            lock.release()
+            raise
+        finally:
+            self._admitting = False
+        self._in_flight[job.tenant] = self._in_flight.get(job.tenant, 0) + 1
+        self._active[decoding] = _Active(job, decoding, IncrementalDetokenizer(self.target.tokenizer))
+        self.batch.add(decoding)
+
+    def _on_event(self, event: BatchEvent) -> None:
+        active = self._active.get(event.decoding)
+        if active is None:
+            return
+        if event.error is not None:
+            log.error("request failed", exc_info=event.error)
+            self._end(active, {"type": "error", "message": "internal server error", "status": 500})
+            return
+        step = event.step
+        delta, drafted_text = active.detokenizer.add(step.tokens, step.drafted)
+        if delta:
+            active.job.emit({"type": "text", "text": delta, "drafted_text": drafted_text,
+                             "tokens": len(step.tokens), "drafted": step.drafted})
+        if event.finished:
+            self._end(active, self._done(active))
+
+    def _check_limits(self) -> None:
+        """Between steps: cancelled requests (client gone, shutdown) and those past their time
+        limit leave the batch."""
+        now = time.monotonic()
+        for active in list(self._active.values()):
+            if active.job.cancelled.is_set() or self._cancel_current:
+                event = {"type": "error", "message": "the request was cancelled", "status": 499}
+            elif now > active.job.deadline:
+                event = {"type": "error", "message": "the request ran past the server's time limit", "status": 504}
+            else:
+                continue
+            self.batch.cancel(active.decoding)
+            self._end(active, event)
+
+    def _done(self, active: _Active) -> dict[str, Any]:
+        result = active.decoding.result
+        rest, drafted_text, text = active.detokenizer.finish()  # what was held back, or a tokenizer's late spelling
         if rest:
-            job.emit({"type": "text", "text": rest, "drafted_text": drafted_text, "tokens": 0, "drafted": 0})
+            active.job.emit({"type": "text", "text": rest, "drafted_text": drafted_text, "tokens": 0, "drafted": 0})
         accepted = sum(it.accepted for it in result.iterations)
         return {
             "type": "done", "text": text, "stop_reason": result.stop_reason,
@@ -243,6 +320,21 @@ class Engine:
                       "drafted_tokens": sum(it.draft_size for it in result.iterations),
                       "accepted_tokens": accepted, "seconds": round(result.total_s, 4)},
         }
+
+    def _end(self, active: _Active, event: dict[str, Any]) -> None:
+        """A request has left the batch (its lane freed): save its tenant's memory, then answer."""
+        job = active.job
+        self._active.pop(active.decoding, None)
+        self._in_flight[job.tenant] -= 1
+        if not self._in_flight[job.tenant]:
+            del self._in_flight[job.tenant]
+        try:  # before answering: an answered request's memory is on disk
+            self.tenants.save(job.tenant)
+        except Exception:  # noqa: BLE001
+            log.exception("tenant %s: saving its memory failed", job.tenant)
+        finally:
+            self.tenants.lock(job.tenant).release()
+        self._finish(job, event)
 
     def _finish(self, job: Job, event: dict[str, Any]) -> None:
         job.emit(event)

@@ -9,6 +9,7 @@ to turn a prompt and an image into model inputs and how positions are offset.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -66,10 +67,7 @@ class TargetModel(BaseTarget):
         self.max_context = int(getattr(self.text_config, "max_position_embeddings", 0) or 1 << 30)
         self.sliding_window = _sliding_window(self.text_config)
         self.excluded_tokens = frozenset(self._image_token_ids())
-        self.cache: DynamicCache | None = None
-        self.past_len = 0
-        self.position_offset = 0
-        self._packed = 0
+        self._reset_request()
         self._capture: ImageAttentionCapture | None = None
         self._image_token = getattr(model.config, "image_token_id", None) if self.accepts_images else None
         self.cost_profile: CostProfile | None = None
@@ -79,10 +77,35 @@ class TargetModel(BaseTarget):
         """``fast``: decode and verify steps on the project's own kernels (`recap.target.kernels`);
         ``stock``: transformers' forward. Set by `use_kernels`."""
         self._fast: Any = None
+        self.use_kernels(kernels)
+
+    def _reset_request(self) -> None:
+        """The per-request state: a lane (`fork`) starts with its own."""
+        self.cache: DynamicCache | None = None
         self._kv: Any = None
+        self.past_len = 0
+        self.position_offset = 0
+        self._packed = 0
+        self._image_positions: torch.Tensor | None = None
         self.last_logits: np.ndarray | None = None
         """The fast path's logits (N, V) of the last verify (a reused buffer), for tests."""
-        self.use_kernels(kernels)
+        self.prefix_scope = ""
+        """Whose cached prompt prefixes this request may reuse (`PrefixCache`; the server: its tenant)."""
+
+    @property
+    def batches(self) -> bool:
+        """On the fast kernels, lanes share one forward per step; stock verifies them in turn."""
+        return self.kernels == "fast"
+
+    def fork(self) -> TargetModel:
+        """Another request lane on the same model: it shares the weights, the fast kernels,
+        the tokenizer and the cost profile, and has its own KV state. Batched decoding
+        (`recap.batching`) runs each request on its own lane, so several requests can be
+        between prefill and release at once; `recap.target.batch.verify_batch` verifies their
+        trees in one forward."""
+        lane = copy.copy(self)
+        lane._reset_request()
+        return lane
 
     # ----------------------------------------------------------------- family hooks
     def _image_token_ids(self) -> list[int]:
@@ -121,7 +144,11 @@ class TargetModel(BaseTarget):
                 raise InputError(f"--kernels fast does not support {self.name}: {reason}")
             kernels = "stock" if reason is not None else "fast"
         if kernels == "fast" and self._fast is None:
+            from recap.target.kernels.prefix import PrefixCache
+
             self._fast = FastDecoder(self.model)
+            self.prefix_cache = PrefixCache()
+            """Recent prompts' KV rows, shared by every lane (`recap.target.kernels.prefix`)."""
         self.kernels = kernels  # an automatic cost profile follows: the kernels are part of its key
         return self.kernels
 
@@ -169,10 +196,9 @@ class TargetModel(BaseTarget):
         capture = self._capture
         if capture is None or not capture.enabled:
             return None
-        positions = capture.positions
         if input_ids is not None:
-            positions = (input_ids[0] == self._image_token).nonzero().flatten()
-        capture.arm(positions, query_row)
+            self._image_positions = (input_ids[0] == self._image_token).nonzero().flatten()
+        capture.arm(self._image_positions, query_row)
         return capture
 
     def prepare(self, prompt: str | list[Message], image: Image.Image | None = None) -> ModelInputs:
@@ -192,21 +218,26 @@ class TargetModel(BaseTarget):
         """Run the prompt, keep its KV cache; return the Top-K rows at every prompt position
         and the first token, greedy or drawn by ``sampler`` (its KV entry is not cached yet:
         it is the next root)."""
-        self.cache = DynamicCache()
-        input_ids = inputs.input_ids.to(self.device)
-        extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.extra.items()}
-        positions = self._prefill_positions(inputs)
-        capture = self._arm_capture(-1, input_ids)
-        out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True, **extra)
-        self.past_len = input_ids.shape[1]
         self._packed = 0
-        if self.kernels == "fast":
-            self._kv = self._fast.new_cache(self.past_len + 256)
-            self._kv.load([layer.keys[0].float().numpy() for layer in self.cache.layers],
-                          [layer.values[0].float().numpy() for layer in self.cache.layers], self.past_len)
-            self.cache = None
-        ids, logits, argmax = self._top_rows(out.logits[0])
-        first = int(argmax[-1]) if sampler is None else sampler.token(out.logits[0, -1], 0)
+        if self._fast_prefills(inputs):
+            ids, logits, last, greedy = self._fast_prefill(inputs.input_ids[0].numpy())
+            capture = None
+        else:
+            self.cache = DynamicCache()
+            input_ids = inputs.input_ids.to(self.device)
+            extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.extra.items()}
+            positions = self._prefill_positions(inputs)
+            capture = self._arm_capture(-1, input_ids)
+            out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True, **extra)
+            self.past_len = input_ids.shape[1]
+            if self.kernels == "fast":
+                self._kv = self._fast.new_cache(self.past_len + 256)
+                self._kv.load([layer.keys[0].float().numpy() for layer in self.cache.layers],
+                              [layer.values[0].float().numpy() for layer in self.cache.layers], self.past_len)
+                self.cache = None
+            ids, logits, argmax = self._top_rows(out.logits[0])
+            last, greedy = out.logits[0, -1], int(argmax[-1])
+        first = greedy if sampler is None else sampler.token(last, 0)
         prompt_ids = inputs.input_ids[0].numpy()
         special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
         eligible = np.array([t not in self.excluded_tokens and t not in special for t in prompt_ids.tolist()],
@@ -216,28 +247,93 @@ class TargetModel(BaseTarget):
                           image_attention=capture.take() if capture is not None else None)
         return rows, first
 
+    def _fast_prefills(self, inputs: ModelInputs) -> bool:
+        """Whether this prompt is prefilled on the fast kernels: text only (an image's
+        embeddings and M-RoPE positions come from transformers' own forward)."""
+        if self.kernels != "fast" or inputs.has_image or inputs.positions is not None:
+            return False
+        if not set(inputs.extra) <= {"attention_mask", "mm_token_type_ids"}:
+            return False
+        mask = inputs.extra.get("attention_mask")
+        return mask is None or bool(mask.all())
+
+    def _fast_prefill(self, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray, torch.Tensor, int]:
+        """The prompt as chained chunks on the fast kernels (`recap.target.kernels.prefix`),
+        rows a recent prompt shared copied from the prefix cache: Top-K ids and logits at every
+        position, the last position's logits and argmax. Bit-identical to one-token steps."""
+        from recap.target.kernels.prefix import PREFILL_CHUNK, chain
+
+        self.position_offset = 0
+        self._image_positions = None
+        length = len(prompt)
+        self._kv = kv = self._fast.new_cache(length + 256)
+        reused, entry = self.prefix_cache.lookup(prompt, length - 1, self.prefix_scope)  # the last row: computed
+        ids, logits = [], []
+        if reused:
+            kv.load(entry.keys[:, :, :reused], entry.values[:, :, :reused], reused)
+            ids.append(entry.topk_ids[:reused])
+            logits.append(entry.topk_logits[:reused])
+        for start in range(reused, length, PREFILL_CHUNK):
+            tokens = prompt[start:start + PREFILL_CHUNK]
+            starts, paths = chain(len(tokens))
+            rows = self._fast.forward(kv, tokens, np.arange(start, start + len(tokens), dtype=np.int64), starts, paths)
+            kv.commit(range(len(tokens)))
+            top_ids, top_logits, argmax = self._top_rows(torch.from_numpy(rows))
+            ids.append(top_ids)
+            logits.append(top_logits)
+            last, greedy = torch.from_numpy(rows[-1].copy()), int(argmax[-1])
+        self.past_len = kv.length
+        ids, logits = np.concatenate(ids), np.concatenate(logits)
+        self.prefix_cache.store(prompt, kv, ids, logits, self.prefix_scope)
+        return ids, logits, last, greedy
+
     @torch.inference_mode()
     def verify(self, root: int, tree: DraftTree, sampler: Sampler | None = None, position: int = 0) -> VerifiedTree:
         """One forward over [root] + tree nodes, each seeing the prefix and its ancestors.
         Greedy by default; with ``sampler``, the sampling walk decides (``position``: the
-        output position the root's row predicts)."""
+        output position the root's row predicts). On the fast path this is a batch of one
+        (`recap.target.batch.verify_batch`), so one request and a batch share every kernel call."""
         if self.cache is None and self._kv is None:
             raise RuntimeError("verify() before prefill()")
-        tokens, depths = tree.packed(root)
         if self._kv is not None:
-            logits, image_attention = self._fast_verify(tokens, depths, tree)
-        else:
-            capture = self._arm_capture(0)
-            out = self.model(
-                input_ids=torch.from_numpy(tokens).to(self.device)[None],
-                position_ids=tree_positions(depths, self.past_len, self.position_offset, self.device),
-                attention_mask=tree_attention_mask(tree.ancestor_matrix(), self.past_len, self.dtype, self.device),
-                cache=self.cache,
-                use_cache=True,
-            )
-            logits = out.logits[0]
-            image_attention = capture.take() if capture is not None else None
+            from recap.target.batch import verify_batch
+
+            return verify_batch([self], [root], [tree], [sampler], [position])[0]
+        tokens, depths = tree.packed(root)
+        capture = self._arm_capture(0)
+        out = self.model(
+            input_ids=torch.from_numpy(tokens).to(self.device)[None],
+            position_ids=tree_positions(depths, self.past_len, self.position_offset, self.device),
+            attention_mask=tree_attention_mask(tree.ancestor_matrix(), self.past_len, self.dtype, self.device),
+            cache=self.cache,
+            use_cache=True,
+        )
         self._packed = len(tokens)
+        return self._verified(tree, out.logits[0], capture.take() if capture is not None else None, sampler, position)
+
+    def _fast_rows(self, root: int, tree: DraftTree) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """This lane's part of a fast-path step: packed tokens, RoPE positions, and the CSR
+        ancestor lists (`DraftTree.ancestor_lists`, indices local to the lane)."""
+        tokens, depths = tree.packed(root)
+        starts, paths = tree.ancestor_lists()
+        return tokens, depths + (self.past_len + self.position_offset), starts, paths
+
+    def _fast_verified(self, tree: DraftTree, logits: np.ndarray, row: int, sampler: Sampler | None,
+                       position: int) -> VerifiedTree:
+        """The verification from this lane's logits rows (N, V) of a fast-path step whose packed
+        ``row`` is its root; with SAM+ViSkip's capture on, the root's attention mass on the image
+        (same definition as the stock capture)."""
+        self.last_logits = logits
+        self._packed = len(logits)
+        capture = self._capture
+        image_attention = None
+        if capture is not None and capture.enabled and self._image_positions is not None \
+                and len(self._image_positions):
+            image_attention = self._fast.root_image_attention(self._kv, self._image_positions.cpu().numpy(), row)
+        return self._verified(tree, torch.from_numpy(logits), image_attention, sampler, position)
+
+    def _verified(self, tree: DraftTree, logits: torch.Tensor, image_attention: float | None,
+                  sampler: Sampler | None, position: int) -> VerifiedTree:
         ids, topk_logits, argmax = self._top_rows(logits)
         if sampler is None:
             accepted = tree.accept(argmax)
@@ -247,20 +343,6 @@ class TargetModel(BaseTarget):
                 argmax[row] = token
         return VerifiedTree(tree=tree, topk_ids=ids, topk_logits=topk_logits, argmax=argmax, accepted=accepted,
                             image_attention=image_attention)
-
-    def _fast_verify(self, tokens: np.ndarray, depths: np.ndarray,
-                     tree: DraftTree) -> tuple[torch.Tensor, float | None]:
-        """The packed forward on the fast path: logits (N, V) and, when SAM+ViSkip asked for it,
-        the root's final-layer attention mass on the image (same definition as the stock capture)."""
-        starts, paths = tree.ancestor_lists()
-        positions = depths + (self.past_len + self.position_offset)
-        logits = self._fast.forward(self._kv, tokens, positions, starts, paths)
-        self.last_logits = logits
-        capture = self._capture
-        image_attention = None
-        if capture is not None and capture.enabled and capture.positions is not None:
-            image_attention = self._fast.root_image_attention(self._kv, capture.positions.cpu().numpy())
-        return torch.from_numpy(logits), image_attention
 
     @torch.inference_mode()
     def commit(self, accepted: Sequence[int]) -> None:
@@ -337,6 +419,7 @@ class TargetModel(BaseTarget):
         """Free the request's KV cache."""
         self.cache = None
         self._kv = None
+        self._image_positions = None
         if self._capture is not None:
             self._capture.arm(None, -1)
 

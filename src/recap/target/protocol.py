@@ -58,12 +58,21 @@ class Target(Protocol):
         """What verifying N tokens costs (`CostProfile`), for cost-aware proposers; None:
         unknown, so such a proposer keeps its fixed budget."""
 
+    batches: bool
+    """Whether lanes from ``fork`` share one forward per step (`recap.target.batch`), so that
+    continuous batching pays; False: requests are best decoded one at a time."""
+
+    def fork(self) -> Target | None:
+        """Another lane over the same model, with request state of its own, so that several
+        requests can be between prefill and release at once; None: one request at a time."""
+
 
 class BaseTarget:
     """Defaults for the optional part of `Target`: no context limit, no sliding window, no
-    image-attention capture, no cost profile, greedy only."""
+    image-attention capture, no cost profile, greedy only, one request at a time."""
 
     max_context: int | None = None
+    batches = False
     sliding_window: int | None = None
     can_sample = False
 
@@ -77,6 +86,9 @@ class BaseTarget:
         return False
 
     def verify_cost(self) -> CostProfile | None:
+        return None
+
+    def fork(self) -> Target | None:
         return None
 
     def _refuse_sampler(self, sampler: Sampler | None) -> None:

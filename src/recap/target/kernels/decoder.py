@@ -9,6 +9,7 @@ copied into a `KVCache` once per request.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numba
@@ -143,14 +144,26 @@ class FastDecoder:
         the cache's prefix and to ``paths[starts[i]:starts[i+1]]`` (packed indices, root first,
         itself last). Their K/V are written at slots cache.length + i; `KVCache.commit` keeps
         the accepted ones. The returned array is a view into a reused buffer."""
+        return self.forward_batch([cache], tokens, positions, np.array([0, len(tokens)], np.int64), starts, paths)
+
+    def forward_batch(self, caches: Sequence[KVCache], tokens: np.ndarray, positions: np.ndarray,
+                      bounds: np.ndarray, starts: np.ndarray, paths: np.ndarray) -> np.ndarray:
+        """One step over the packed trees of B requests: request r owns rows
+        ``bounds[r]:bounds[r+1]`` (bounds: (B+1,)) and ``caches[r]``; row a attends to its own
+        cache's prefix and to ``paths[starts[a]:starts[a+1]]``, indices local to its request
+        (0 = that request's root). Linear layers run once over all M rows (batch-invariant, so
+        a row's result never depends on the other requests); attention and the cache write
+        run per request. A request's logits are thus bit-identical to decoding it alone."""
         m = len(tokens)
         rows = padded_rows(m)
         if rows > self._buffers.rows:
             self._buffers = _Buffers(self.args, rows)
         self._rope_tables(int(positions.max()) + 1)
         numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-        cache.reserve(m)
-        b, args, past, eps = self._buffers, self.args, cache.length, self.eps
+        spans = [(int(bounds[r]), int(bounds[r + 1]), cache) for r, cache in enumerate(caches)]
+        for begin, end, cache in spans:
+            cache.reserve(end - begin)
+        b, args, eps = self._buffers, self.args, self.eps
         self._embed(tokens, b.h)
         for index, layer in enumerate(self.layers):
             ops.rms_norm(b.h, layer.input_norm, eps, b.x, m)
@@ -159,10 +172,12 @@ class FastDecoder:
             layer.v(b.x, b.v, rows)
             ops.rope(b.q, args.heads, self._cos, self._sin, positions, m)
             ops.rope(b.k, args.kv_heads, self._cos, self._sin, positions, m)
-            keys, values = cache.keys[index], cache.values[index]
-            ops.write_cache(b.k, keys, past, args.kv_heads, m)
-            ops.write_cache(b.v, values, past, args.kv_heads, m)
-            ops.tree_attention(b.q, keys, values, past, starts, paths, self.scale, b.attn, m)
+            for begin, end, cache in spans:
+                keys, values, count = cache.keys[index], cache.values[index], end - begin
+                ops.write_cache(b.k[begin:end], keys, cache.length, args.kv_heads, count)
+                ops.write_cache(b.v[begin:end], values, cache.length, args.kv_heads, count)
+                ops.tree_attention(b.q[begin:end], keys, values, cache.length, starts[begin:end + 1], paths,
+                                   self.scale, b.attn[begin:end], count)
             layer.o(b.attn, b.o, rows)
             b.h[:m] += b.o[:m]
             ops.rms_norm(b.h, layer.post_norm, eps, b.x, m)
@@ -175,12 +190,12 @@ class FastDecoder:
         self.head(b.x, b.logits, rows)
         return b.logits[:m]
 
-    def root_image_attention(self, cache: KVCache, image_positions: np.ndarray) -> float:
-        """SAM+ViSkip's gate after a step: the final layer's softmax attention of packed row 0
-        (the root, which sees the prefix and itself), averaged over heads, summed over the
-        image positions (float32 scores, as the stock capture computes them)."""
+    def root_image_attention(self, cache: KVCache, image_positions: np.ndarray, row: int = 0) -> float:
+        """SAM+ViSkip's gate after a step: the final layer's softmax attention of the request's
+        root (packed ``row`` of the step, which sees the prefix and itself), averaged over
+        heads, summed over the image positions (float32 scores, as the stock capture computes them)."""
         args = self.args
-        q = torch.from_numpy(self._buffers.q[0].reshape(args.heads, args.head_dim))  # final layer's, after RoPE
+        q = torch.from_numpy(self._buffers.q[row].reshape(args.heads, args.head_dim))  # final layer's, after RoPE
         keys = torch.from_numpy(cache.keys[-1][:, : cache.length + 1])             # (H_kv, past + 1, D)
         keys = keys.repeat_interleave(args.heads // args.kv_heads, dim=0)
         probs = torch.softmax(torch.einsum("hd,hsd->hs", q, keys) * self.scale, dim=-1)

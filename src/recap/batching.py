@@ -1,0 +1,234 @@
+"""Continuous batching: many requests decoded step by step, every step one forward.
+
+Each request is a `Decoding` on its own lane (`TargetModel.fork`) with its own proposer. A
+`Batch` steps them together:
+
+1. **admit**: a waiting request is prefilled (at most ``prefills_per_step`` per step, so a
+   running request waits for at most that many prefills between two of its steps) and yields
+   its first token;
+2. **draft**: every running request drafts. Cost-aware proposers `offer` their candidates
+   best first, and one budget is shared by expected gain (`share_budget`: the node set that
+   maximises expected committed tokens per second of the whole step under t(total rows));
+   the other methods size their own trees as they do alone;
+3. **verify**: all trees in one forward (`verify_batch`; on the fast kernels a request's
+   logits are bit-identical to decoding it alone, whatever else is in the batch);
+4. **finish**: each request commits, learns and reports its step on its own; finished or
+   failed requests leave and free their lane.
+
+`generate_batch` is the offline entry point; `recap serve` steps a `Batch` from its decoder
+thread.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from PIL import Image
+
+from recap.core import CostProfile
+from recap.core.chooser import share_budget
+from recap.decoding import Decoding, DecodeStep, GenerationResult
+from recap.errors import InputError
+from recap.proposers import Proposer, make_proposer
+from recap.target import TargetModel
+from recap.target.batch import verify_batch
+from recap.target.sampling import Sampling
+
+DEFAULT_MAX_BATCH = 8
+"""Requests stepped together by default: on a CPU the linear layers of up to about 8-16 rows
+cost little more than one (docs/kernels.md), and each request adds its own attention."""
+
+
+@dataclass
+class BatchEvent:
+    """What one request got from a batch step: a `DecodeStep`, or the error that ended it."""
+
+    decoding: Decoding
+    step: DecodeStep | None = None
+    error: BaseException | None = None
+
+    @property
+    def finished(self) -> bool:
+        """The request has left the batch (done, failed or cancelled)."""
+        return self.error is not None or self.decoding.done
+
+
+class Batch:
+    """Requests decoded together on one target (see the module docstring)."""
+
+    def __init__(self, *, max_batch: int = DEFAULT_MAX_BATCH, cost: CostProfile | None = None,
+                 shared_budget: bool = True, prefills_per_step: int = 1):
+        if max_batch < 1:
+            raise InputError(f"max_batch must be at least 1, got {max_batch}")
+        self.max_batch = max_batch
+        self.cost = cost
+        """The step's cost profile t(rows): prices the shared budget; corrected online by
+        every batched step's measured time."""
+        self.shared_budget = shared_budget
+        self.prefills_per_step = prefills_per_step
+        self.waiting: deque[Decoding] = deque()
+        self.running: list[Decoding] = []
+        self.steps = 0
+        self.rows: deque[int] = deque(maxlen=4096)
+        """Packed rows of the latest verification steps (roots included), for reports."""
+        self.peak_running = 0
+        """The most requests one step has verified together."""
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, decoding: Decoding) -> None:
+        """Queue a request; it joins at a coming step. Requests on lanes of their own
+        (`TargetModel.fork`) run together; one whose target a running request uses waits
+        for it (first come, first served)."""
+        if decoding in self.waiting or decoding in self.running:
+            raise InputError("this request is in the batch already")
+        self.waiting.append(decoding)
+
+    def cancel(self, decoding: Decoding) -> None:
+        """Remove a request now and free its lane (its result keeps what it had)."""
+        if decoding in self.waiting:
+            self.waiting.remove(decoding)
+        if decoding in self.running:
+            self.running.remove(decoding)
+        decoding.close()
+
+    def close(self) -> None:
+        """Cancel everything (also after an error)."""
+        for decoding in (*self.waiting, *self.running):
+            decoding.close()
+        self.waiting.clear()
+        self.running.clear()
+
+    def step(self) -> list[BatchEvent]:
+        """Admit, draft, verify and finish once; the events of every request that got a token
+        or an error. A failing request (its prefill, proposer or inputs) leaves with its error,
+        the others go on; an error of the shared forward itself is raised."""
+        events = self._admit()
+        trees = self._draft(events) if self.running else []
+        running = self.running
+        if not running:
+            return events
+        t0 = time.perf_counter()
+        verified = verify_batch([d.target for d in running], [d.history[-1] for d in running], trees,
+                                [d.sampler for d in running], [len(d.result.tokens) for d in running])
+        seconds = time.perf_counter() - t0
+        rows = sum(len(tree) + 1 for tree in trees)
+        if self.cost is not None:
+            self.cost.observe(rows, self._context(), seconds)
+        self.steps += 1
+        self.rows.append(rows)
+        self.peak_running = max(self.peak_running, len(running))
+        for decoding, step in zip(list(running), verified):
+            try:
+                events.append(BatchEvent(decoding, step=decoding.finish(step, observe_cost=False)))
+            except Exception as error:  # noqa: BLE001 - one request's failure must not end the others
+                events.append(self._fail(decoding, error))
+                continue
+            if decoding.done:
+                self._leave(decoding)
+        return events
+
+    def _context(self) -> int:
+        """Mean cached tokens of the running requests: the context the step's cost is read at."""
+        return sum(d.target.past_len for d in self.running) // max(1, len(self.running))
+
+    def _admit(self) -> list[BatchEvent]:
+        events = []
+        for _ in range(self.prefills_per_step):
+            if not self.waiting or len(self.running) >= self.max_batch or \
+                    any(d.target is self.waiting[0].target for d in self.running):
+                break
+            decoding = self.waiting.popleft()
+            self.running.append(decoding)
+            try:
+                events.append(BatchEvent(decoding, step=decoding.start()))
+            except Exception as error:  # noqa: BLE001
+                events.append(self._fail(decoding, error))
+                continue
+            if decoding.done:
+                self._leave(decoding)
+        return events
+
+    def _draft(self, events: list[BatchEvent]) -> list:
+        """Every running request's tree: offers share one budget, the rest propose alone."""
+        trees, offers = {}, {}
+        for decoding in list(self.running):
+            try:
+                offer = decoding.proposer.offer(decoding.history, decoding.limits) \
+                    if self.shared_budget and self.cost is not None else None
+                if offer is None:
+                    trees[decoding] = decoding.propose()
+                else:
+                    offers[decoding] = offer
+            except Exception as error:  # noqa: BLE001
+                events.append(self._fail(decoding, error))
+        if offers:
+            fixed = sum(len(tree) + 1 for tree in trees.values()) + len(offers)
+            sizes = share_budget([offer.gains for offer in offers.values()], fixed, len(offers) + len(trees),
+                                 self.cost, self._context())
+            for (decoding, offer), size in zip(offers.items(), sizes):
+                try:
+                    trees[decoding] = decoding.propose(offer.take(size))
+                except Exception as error:  # noqa: BLE001
+                    events.append(self._fail(decoding, error))
+        self.running = [d for d in self.running if d in trees]
+        return [trees[d] for d in self.running]
+
+    def _leave(self, decoding: Decoding) -> None:
+        if decoding in self.running:
+            self.running.remove(decoding)
+        decoding.close()
+
+    def _fail(self, decoding: Decoding, error: BaseException) -> BatchEvent:
+        """One request's failure: it leaves the batch with its error, the others go on."""
+        self._leave(decoding)
+        return BatchEvent(decoding, error=error)
+
+
+def generate_batch(target: TargetModel, prompts: Sequence[str | list[dict]], *,
+                   images: Sequence[Image.Image | None] | None = None, method: str = "recap",
+                   proposers: Sequence[Proposer] | None = None, max_new_tokens: int = 128,
+                   max_batch: int = DEFAULT_MAX_BATCH, shared_budget: bool = True,
+                   temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                   seed: int | None = None, progress: bool = True) -> list[GenerationResult]:
+    """Decode many prompts with continuous batching: each result (tokens and text) is what
+    `recap.generate` gives the prompt alone. ``method`` makes one fresh proposer per prompt
+    (or pass ``proposers``, one per prompt: distinct objects, each a stream of its own).
+    Up to ``max_batch`` requests share each forward; on the stock kernels they are verified
+    one after another. A progress bar counts finished requests unless ``progress`` is off."""
+    images = list(images) if images is not None else [None] * len(prompts)
+    if len(images) != len(prompts):
+        raise InputError(f"{len(prompts)} prompts but {len(images)} images")
+    if proposers is None:
+        proposers = [make_proposer(method) for _ in prompts]
+    if len(proposers) != len(prompts) or len({id(p) for p in proposers}) != len(proposers):
+        raise InputError("give one distinct proposer per prompt")
+    sampling = Sampling.of(temperature, top_k, top_p, seed)
+    cost = target.verify_cost() if any(p.wants_cost for p in proposers) else None
+    batch = Batch(max_batch=max_batch, cost=cost, shared_budget=shared_budget)
+    decodings = []
+    for prompt, image, proposer in zip(prompts, images, proposers):
+        decoding = Decoding(target.fork(), proposer, target.prepare(prompt, image), max_new_tokens=max_new_tokens,
+                            cost=cost, sampling=sampling)
+        decodings.append(decoding)
+        batch.add(decoding)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(decodings), desc="generate_batch", unit="req", disable=not progress)
+    try:
+        while len(batch):
+            for event in batch.step():
+                if event.error is not None:
+                    raise event.error
+                if event.finished:
+                    bar.update(1)
+    finally:
+        batch.close()
+        bar.close()
+    for decoding in decodings:
+        decoding.result.text = target.tokenizer.decode(decoding.result.tokens, skip_special_tokens=True)
+    return [decoding.result for decoding in decodings]

@@ -1,0 +1,50 @@
+"""One forward over several requests' draft trees: what continuous batching steps with.
+
+Every lane (`TargetModel.fork`) holds one request's KV cache. On the fast kernels the lanes'
+packed trees are concatenated into one step (`FastDecoder.forward_batch`): the linear layers
+read the weights once for all rows, attention stays inside each request's own cache, and
+since every kernel is batch-invariant a request's logits are bit-identical to verifying it
+alone. Lanes on the stock transformers path are verified one after another (batch of one).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from recap.core import DraftTree, VerifiedTree
+from recap.target.base import TargetModel
+from recap.target.protocol import Target
+from recap.target.sampling import Sampler
+
+
+def can_batch(lanes: Sequence[Target]) -> bool:
+    """Whether these lanes can share one forward: all `TargetModel` lanes on the same model's
+    fast kernels (any other `Target` is verified on its own)."""
+    return bool(lanes) and all(isinstance(lane, TargetModel) and lane._kv is not None
+                               and lane._fast is lanes[0]._fast for lane in lanes)
+
+
+@torch.inference_mode()
+def verify_batch(lanes: Sequence[Target], roots: Sequence[int], trees: Sequence[DraftTree],
+                 samplers: Sequence[Sampler | None], positions: Sequence[int]) -> list[VerifiedTree]:
+    """``lane.verify(root, tree, sampler, position)`` for every lane, in one forward where
+    the lanes `can_batch`; each lane then commits (or not) on its own."""
+    if len({id(lane) for lane in lanes}) != len(lanes):
+        raise ValueError("a lane appears twice in one batch")
+    if not can_batch(lanes):
+        return [lane.verify(root, tree, sampler, position)
+                for lane, root, tree, sampler, position in zip(lanes, roots, trees, samplers, positions)]
+    parts = [lane._fast_rows(root, tree) for lane, root, tree in zip(lanes, roots, trees)]
+    bounds = np.zeros(len(parts) + 1, np.int64)
+    np.cumsum([len(tokens) for tokens, *_ in parts], out=bounds[1:])
+    path_offsets = np.cumsum([0] + [len(paths) for *_, paths in parts])
+    starts = np.concatenate([[0]] + [part[2][1:] + offset for part, offset in zip(parts, path_offsets)])
+    logits = lanes[0]._fast.forward_batch(
+        [lane._kv for lane in lanes], np.concatenate([part[0] for part in parts]),
+        np.concatenate([part[1] for part in parts]), bounds, starts.astype(np.int64),
+        np.concatenate([part[3] for part in parts]))
+    return [lane._fast_verified(tree, logits[bounds[r]:bounds[r + 1]], int(bounds[r]), sampler, position)
+            for r, (lane, tree, sampler, position) in enumerate(zip(lanes, trees, samplers, positions))]

@@ -1,0 +1,136 @@
+"""Prefill on the fast kernels (`recap.target.kernels.prefix`): a prompt's K/V and Top-K rows
+are those of one-token steps, bit for bit, whatever the chunk size and whether a shared
+prefix was computed now or copied from an earlier prompt. A cache that hands over rows the
+prompts do not share must be caught."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from recap.images import synthetic_image
+from recap.core import DraftTree
+from recap.target.kernels import prefix as prefix_module
+from recap.target.kernels.prefix import PrefixCache
+from tests.conftest import TINY_MODELS, load_target
+
+SYSTEM = "You are a careful assistant. Answer briefly and precisely, in plain words."
+
+
+def _prompt(target, question: str):
+    return target.prepare([{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}])
+
+
+def _prefilled(target, inputs):
+    """(Top-K ids, Top-K logits, first token, K/V rows) of a prefill."""
+    rows, first = target.prefill(inputs)
+    length = target.past_len
+    state = (rows.topk_ids.copy(), rows.topk_logits.copy(), first, target._kv.keys[:, :, :length].copy(),
+             target._kv.values[:, :, :length].copy())
+    target.release()
+    return state
+
+
+def _same(a, b) -> bool:
+    return a[2] == b[2] and all(np.array_equal(x, y) for x, y in zip(a[:2] + a[3:], b[:2] + b[3:]))
+
+
+@pytest.fixture
+def fresh_cache(request):
+    """Each test starts from an empty prefix cache on its target."""
+    targets = []
+
+    def use(target):
+        target.prefix_cache = PrefixCache()
+        targets.append(target)
+        return target
+
+    yield use
+    for target in targets:
+        target.prefix_cache = PrefixCache()
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_a_text_prefill_is_one_token_steps_bit_for_bit(name, fresh_cache):
+    target = fresh_cache(load_target(name))
+    inputs = _prompt(target, "What colour is the sky at noon?")
+    ids = inputs.prompt_ids
+    rows, first = target.prefill(inputs)
+    prefilled_keys = target._kv.keys[:, :, :len(ids)].copy()
+    last_row = rows.topk_logits[-1].copy()
+    target.release()
+    target.prefix_cache = PrefixCache()
+    target.prefill(type(inputs)(input_ids=inputs.input_ids[:, :1]))  # the first token alone, then steps
+    for token in ids[1:]:
+        step = target.verify(int(token), DraftTree.empty())
+        target.commit([])
+    assert target.past_len == len(ids) and np.array_equal(target._kv.keys[:, :, :len(ids)], prefilled_keys)
+    assert np.array_equal(step.topk_logits[0], last_row) and int(step.argmax[0]) == first
+    target.release()
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_a_shared_prefix_copied_from_the_cache_gives_the_same_bits(name, fresh_cache, monkeypatch):
+    target = fresh_cache(load_target(name))
+    first, second = _prompt(target, "Name a large river."), _prompt(target, "Name a tall mountain.")
+    target.prefix_cache.clear()
+    alone = _prefilled(target, second)
+    target.prefix_cache.clear()
+    _prefilled(target, first)
+    hits = target.prefix_cache.hits
+    reused = _prefilled(target, second)
+    assert target.prefix_cache.hits == hits + 1 and target.prefix_cache.reused_tokens > 10
+    assert _same(reused, alone)
+    monkeypatch.setattr(prefix_module, "PREFILL_CHUNK", 5)  # many chunks: the same bits again
+    target.prefix_cache.clear()
+    assert _same(_prefilled(target, second), alone)
+
+
+def test_a_cache_that_hands_over_unshared_rows_is_caught(fresh_cache, monkeypatch):
+    """Negative control: a lookup that claims one row more than the prompts share."""
+    target = fresh_cache(load_target("tiny-llama"))
+    first, second = _prompt(target, "Name a large river."), _prompt(target, "Name a tall mountain.")
+    alone = _prefilled(target, second)
+    target.prefix_cache.clear()
+    _prefilled(target, first)
+    honest = PrefixCache.lookup
+
+    def lying(self, tokens, limit, scope=""):
+        shared, entry = honest(self, tokens, limit, scope)
+        return (min(shared + 1, limit, len(entry.tokens)), entry) if entry is not None else (shared, entry)
+
+    monkeypatch.setattr(PrefixCache, "lookup", lying)
+    assert not _same(_prefilled(target, second), alone)
+
+
+def test_the_prefix_cache_is_bounded_and_drops_the_least_recent(fresh_cache):
+    target = fresh_cache(load_target("tiny-llama"))
+    target.prefix_cache = cache = PrefixCache(max_tokens=100)
+    for question in ("one?", "two?", "three?", "four?"):
+        _prefilled(target, _prompt(target, question))
+    assert 0 < cache.tokens <= 100
+
+
+def test_image_prompts_keep_the_stock_prefill(fresh_cache):
+    target = fresh_cache(load_target("tiny-qwen2.5-vl"))
+    inputs = target.prepare("What is in the picture?", synthetic_image(0, 64, 48))
+    assert inputs.has_image and not target._fast_prefills(inputs)
+    target.prefill(inputs)
+    target.release()
+    assert target.prefix_cache.tokens == 0
+
+
+def test_prefixes_are_reused_only_within_their_scope(fresh_cache):
+    """A server scopes the cache by tenant: one tenant's prompts never speed up another's."""
+    target = fresh_cache(load_target("tiny-llama"))
+    first, second = _prompt(target, "Name a large river."), _prompt(target, "Name a tall mountain.")
+    lane = target.fork()
+    lane.prefix_scope = "alice"
+    _prefilled(lane, first)
+    bob = target.fork()
+    bob.prefix_scope = "bob"
+    hits = target.prefix_cache.hits
+    _prefilled(bob, second)
+    assert target.prefix_cache.hits == hits
+    _prefilled(lane, second)
+    assert target.prefix_cache.hits == hits + 1
