@@ -281,3 +281,34 @@ def test_a_request_overlapping_another_of_its_stream_teaches_the_stream(smollm2,
         assert not missing
     else:
         assert missing, "the negative control lost nothing: the test cannot tell"
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_newcomers_prefill_in_chunks_beside_running_requests_losslessly(name):
+    """A small prefill budget (3 rows a step): prompts are prefilled over several steps while
+    other requests decode in the same forwards (image prompts prefill whole); every output
+    equals decoding alone."""
+    target = load_target(name)
+    target.prefix_cache.clear()
+    cases = _cases(target, 4)
+    alone = [decode(target, make_proposer("ar"), inputs, max_new_tokens=12).tokens for inputs in cases]
+    target.prefix_cache.clear()
+    batch = Batch(max_batch=4, cost=fixed_cost_profile(), prefill_rows=3)
+    decodings = [Decoding(target.fork(), _decoy(target, inputs, tokens, i), inputs, max_new_tokens=12)
+                 for i, (inputs, tokens) in enumerate(zip(cases, alone))]
+    for decoding in decodings[:2]:
+        batch.add(decoding)
+    overlapped = 0
+    steps = 0
+    while len(batch):
+        batch.step()
+        steps += 1
+        if steps == 2:
+            for decoding in decodings[2:]:
+                batch.add(decoding)
+        overlapped += bool(batch.prefilling and batch.running)
+    assert [d.result.tokens for d in decodings] == alone
+    text_prompts = [inputs for inputs in cases if not inputs.has_image]
+    if text_prompts:
+        assert overlapped, "no prefill chunk ever ran beside a decoding request"
+    assert_drafted([d.result for d in decodings])

@@ -114,7 +114,7 @@ def test_the_prefix_cache_is_bounded_and_drops_the_least_recent(fresh_cache):
 def test_image_prompts_keep_the_stock_prefill(fresh_cache):
     target = fresh_cache(load_target("tiny-qwen2.5-vl"))
     inputs = target.prepare("What is in the picture?", synthetic_image(0, 64, 48))
-    assert inputs.has_image and not target._fast_prefills(inputs)
+    assert inputs.has_image and target.prefill_chunks(inputs) is None
     target.prefill(inputs)
     target.release()
     assert target.prefix_cache.tokens == 0

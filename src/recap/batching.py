@@ -3,9 +3,11 @@
 Each request is a `Decoding` on its own lane (`TargetModel.fork`) with its own proposer. A
 `Batch` steps them together:
 
-1. **admit**: a waiting request is prefilled (at most ``prefills_per_step`` per step, so a
-   running request waits for at most that many prefills between two of its steps) and yields
-   its first token;
+1. **admit**: a waiting request joins. A text prompt on the fast kernels is prefilled in
+   chunks that ride in the coming steps' forwards (``prefill_rows`` rows per step in all, so a
+   newcomer holds the running requests back by one chunk per step, never by its whole
+   prompt); an image prompt (transformers' own prefill) runs whole, ``prefills_per_step``
+   per step at most. Its first token is its first event;
 2. **draft**: every running request drafts. Cost-aware proposers `offer` their candidates
    best first, and one budget is shared by expected gain (`share_budget`: the node set that
    maximises expected committed tokens per second of the whole step under t(total rows));
@@ -25,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from PIL import Image
 
@@ -37,6 +40,9 @@ from recap.target import TargetModel
 from recap.target.batch import verify_batch
 from recap.target.sampling import Sampling
 
+PREFILL_ROWS_PER_STEP = 32
+"""Prompt rows of newcomers computed per step beside the running requests' trees: how long a
+prefill holds the others back (a 32-row chunk adds roughly what 32 draft nodes cost)."""
 DEFAULT_MAX_BATCH = 8
 """Requests stepped together by default: on a CPU the linear layers of up to about 8-16 rows
 cost little more than one (docs/kernels.md), and each request adds its own attention."""
@@ -60,31 +66,39 @@ class Batch:
     """Requests decoded together on one target (see the module docstring)."""
 
     def __init__(self, *, max_batch: int = DEFAULT_MAX_BATCH, cost: CostProfile | None = None,
-                 shared_budget: bool = True, prefills_per_step: int = 1):
-        if max_batch < 1:
-            raise InputError(f"max_batch must be at least 1, got {max_batch}")
+                 shared_budget: bool = True, prefill_rows: int = PREFILL_ROWS_PER_STEP,
+                 prefills_per_step: int = 1):
+        if max_batch < 1 or prefill_rows < 1 or prefills_per_step < 1:
+            raise InputError(f"max_batch, prefill_rows and prefills_per_step must be at least 1, got {max_batch}, "
+                             f"{prefill_rows}, {prefills_per_step}")
         self.max_batch = max_batch
         self.cost = cost
         """The step's cost profile t(rows): prices the shared budget; corrected online by
         every batched step's measured time."""
         self.shared_budget = shared_budget
+        self.prefill_rows = prefill_rows
         self.prefills_per_step = prefills_per_step
         self.waiting: deque[Decoding] = deque()
+        self.prefilling: dict[Decoding, Any] = {}
+        """Admitted requests whose prompt is being prefilled in chunks, oldest first."""
         self.running: list[Decoding] = []
         self.steps = 0
         self.rows: deque[int] = deque(maxlen=4096)
-        """Packed rows of the latest verification steps (roots included), for reports."""
+        """Packed rows of the latest steps (roots and prefill chunks included), for reports."""
         self.peak_running = 0
         """The most requests one step has verified together."""
 
     def __len__(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.prefilling) + len(self.running)
+
+    def _members(self) -> tuple[Decoding, ...]:
+        return (*self.waiting, *self.prefilling, *self.running)
 
     def add(self, decoding: Decoding) -> None:
         """Queue a request; it joins at a coming step. Requests on lanes of their own
         (`TargetModel.fork`) run together; one whose target a running request uses waits
         for it (first come, first served)."""
-        if decoding in self.waiting or decoding in self.running:
+        if decoding in self._members():
             raise InputError("this request is in the batch already")
         self.waiting.append(decoding)
 
@@ -92,32 +106,35 @@ class Batch:
         """Remove a request now and free its lane (its result keeps what it had)."""
         if decoding in self.waiting:
             self.waiting.remove(decoding)
-        if decoding in self.running:
-            self.running.remove(decoding)
-        decoding.close()
+        self._leave(decoding)
 
     def close(self) -> None:
         """Cancel everything (also after an error)."""
-        for decoding in (*self.waiting, *self.running):
+        for decoding in self._members():
             decoding.close()
         self.waiting.clear()
+        self.prefilling.clear()
         self.running.clear()
 
     def step(self) -> list[BatchEvent]:
-        """Admit, draft, verify and finish once; the events of every request that got a token
-        or an error. A failing request (its prefill, proposer or inputs) leaves with its error,
-        the others go on; an error of the shared forward itself is raised."""
+        """Admit, draft, verify (with this step's prefill chunks) and finish once; the events
+        of every request that got a token or an error. A failing request (its prefill, proposer
+        or inputs) leaves with its error, the others go on; an error of the shared forward
+        itself is raised."""
         events = self._admit()
-        trees = self._draft(events) if self.running else []
+        chunks = self._chunks()
+        prefill_rows = sum(rows for _, rows in chunks)
+        trees = self._draft(events, prefill_rows) if self.running else []
         running = self.running
-        if not running:
+        if not running and not chunks:
             return events
         t0 = time.perf_counter()
         verified = verify_batch([d.target for d in running], [d.history[-1] for d in running], trees,
-                                [d.sampler for d in running], [len(d.result.tokens) for d in running])
+                                [d.sampler for d in running], [len(d.result.tokens) for d in running],
+                                [(self.prefilling[d], rows) for d, rows in chunks])
         seconds = time.perf_counter() - t0
-        rows = sum(len(tree) + 1 for tree in trees)
-        if self.cost is not None:
+        rows = sum(len(tree) + 1 for tree in trees) + prefill_rows
+        if self.cost is not None and running:
             self.cost.observe(rows, self._context(), seconds)
         self.steps += 1
         self.rows.append(rows)
@@ -130,6 +147,11 @@ class Batch:
                 continue
             if decoding.done:
                 self._leave(decoding)
+        for decoding, _ in chunks:
+            chunked = self.prefilling[decoding]
+            if chunked.finished:
+                del self.prefilling[decoding]
+                events.append(self._start(decoding, chunked))
         return events
 
     def _context(self) -> int:
@@ -137,24 +159,53 @@ class Batch:
         return sum(d.target.past_len for d in self.running) // max(1, len(self.running))
 
     def _admit(self) -> list[BatchEvent]:
-        events = []
-        for _ in range(self.prefills_per_step):
-            if not self.waiting or len(self.running) >= self.max_batch or \
-                    any(d.target is self.waiting[0].target for d in self.running):
+        """Newcomers join while there is room: a chunked prefill starts (its rows run inside
+        the coming steps), a whole one (image prompts, stock kernels) runs now, at most
+        ``prefills_per_step`` of those per step."""
+        events, whole = [], 0
+        while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch and \
+                whole < self.prefills_per_step:
+            decoding = self.waiting[0]
+            if any(d.target is decoding.target for d in (*self.prefilling, *self.running)):
                 break
-            decoding = self.waiting.popleft()
-            self.running.append(decoding)
+            self.waiting.popleft()
             try:
-                events.append(BatchEvent(decoding, step=decoding.start()))
+                chunked = decoding.open_prefill()
             except Exception as error:  # noqa: BLE001
                 events.append(self._fail(decoding, error))
                 continue
-            if decoding.done:
-                self._leave(decoding)
+            if chunked is not None:
+                self.prefilling[decoding] = chunked
+            else:
+                whole += 1
+                events.append(self._start(decoding))
         return events
 
-    def _draft(self, events: list[BatchEvent]) -> list:
-        """Every running request's tree: offers share one budget, the rest propose alone."""
+    def _start(self, decoding: Decoding, chunked: Any | None = None) -> BatchEvent:
+        """The request's first token (its prefill done): it runs from the next step on."""
+        self.running.append(decoding)
+        try:
+            event = BatchEvent(decoding, step=decoding.start(chunked))
+        except Exception as error:  # noqa: BLE001
+            return self._fail(decoding, error)
+        if decoding.done:
+            self._leave(decoding)
+        return event
+
+    def _chunks(self) -> list[tuple[Decoding, int]]:
+        """This step's prefill rows, oldest request first, ``prefill_rows`` in all."""
+        chunks, budget = [], self.prefill_rows
+        for decoding, chunked in self.prefilling.items():
+            if budget <= 0:
+                break
+            rows = min(budget, chunked.left)
+            chunks.append((decoding, rows))
+            budget -= rows
+        return chunks
+
+    def _draft(self, events: list[BatchEvent], prefill_rows: int = 0) -> list:
+        """Every running request's tree: offers share one budget (the step's prefill rows
+        counted as fixed), the rest propose alone."""
         trees, offers = {}, {}
         for decoding in list(self.running):
             try:
@@ -167,7 +218,7 @@ class Batch:
             except Exception as error:  # noqa: BLE001
                 events.append(self._fail(decoding, error))
         if offers:
-            fixed = sum(len(tree) + 1 for tree in trees.values()) + len(offers)
+            fixed = sum(len(tree) + 1 for tree in trees.values()) + len(offers) + prefill_rows
             sizes = share_budget([offer.gains for offer in offers.values()], fixed, len(offers) + len(trees),
                                  self.cost, self._context())
             for (decoding, offer), size in zip(offers.items(), sizes):
@@ -181,6 +232,7 @@ class Batch:
     def _leave(self, decoding: Decoding) -> None:
         if decoding in self.running:
             self.running.remove(decoding)
+        self.prefilling.pop(decoding, None)
         decoding.close()
 
     def _fail(self, decoding: Decoding, error: BaseException) -> BatchEvent:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 from dataclasses import dataclass, field, replace
 
 from PIL import Image
@@ -136,15 +137,30 @@ class Decoding:
 
     # The loop's parts, public so that `recap.batching` can verify many requests' trees in one
     # forward between ``propose`` and ``finish``: one request alone runs exactly these calls.
-    def start(self) -> DecodeStep:
-        """Prefill: the prompt's KV state and the first token (the proposer begins its request)."""
-        target, proposer, result = self.target, self.proposer, self.result
+    def _prepare(self) -> None:
+        target, proposer = self.target, self.proposer
         # only proposers that gate on it (sam-viskip) pay for the measurement
         target.capture_image_attention(proposer.wants_image_attention)
         if self.cost is None and proposer.wants_cost:
             self.cost = target.verify_cost()  # None: the target has no profile, the proposer keeps its budget
         self._start = time.perf_counter()
-        rows, first = target.prefill(self.inputs, self.sampler)
+
+    def open_prefill(self) -> Any | None:
+        """Begin a prefill that a batch runs in chunks inside its steps (the target's
+        ``prefill_chunks``), then finished by ``start(chunked)``; None: ``start()`` prefills."""
+        self._prepare()
+        return self.target.prefill_chunks(self.inputs)
+
+    def start(self, chunked: Any | None = None) -> DecodeStep:
+        """Prefill (or take the finished ``chunked`` one): the prompt's KV state and the first
+        token; the proposer begins its request."""
+        proposer, result = self.proposer, self.result
+        if chunked is None:
+            if not self._start:
+                self._prepare()
+            rows, first = self.target.prefill(self.inputs, self.sampler)
+        else:
+            rows, first = chunked.result(self.sampler)
         proposer.begin_request(rows)
         self._begun = True
         self.history = rows.ids.tolist() + [first]

@@ -24,6 +24,7 @@ from recap.core import CostProfile, DraftTree, PromptRows, VerifiedTree
 from recap.errors import InputError
 from recap.target.attention import compact_cache, tree_attention_mask, tree_positions
 from recap.target.image_attention import ImageAttentionCapture
+from recap.target.kernels.prefix import PREFILL_CHUNK, ChunkedPrefill
 from recap.target.protocol import BaseTarget
 from recap.target.sampling import Sampler
 
@@ -217,75 +218,53 @@ class TargetModel(BaseTarget):
     def prefill(self, inputs: ModelInputs, sampler: Sampler | None = None) -> tuple[PromptRows, int]:
         """Run the prompt, keep its KV cache; return the Top-K rows at every prompt position
         and the first token, greedy or drawn by ``sampler`` (its KV entry is not cached yet:
-        it is the next root)."""
+        it is the next root). Text prompts on the fast kernels run as a `ChunkedPrefill`
+        (the same chunks a batch interleaves with other requests' steps)."""
+        chunked = self.prefill_chunks(inputs)
+        if chunked is not None:
+            while not chunked.finished:
+                chunked.absorb(self._fast.forward(self._kv, *chunked.rows(PREFILL_CHUNK)))
+            return chunked.result(sampler)
         self._packed = 0
-        if self._fast_prefills(inputs):
-            ids, logits, last, greedy = self._fast_prefill(inputs.input_ids[0].numpy())
-            capture = None
-        else:
-            self.cache = DynamicCache()
-            input_ids = inputs.input_ids.to(self.device)
-            extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.extra.items()}
-            positions = self._prefill_positions(inputs)
-            capture = self._arm_capture(-1, input_ids)
-            out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True, **extra)
-            self.past_len = input_ids.shape[1]
-            if self.kernels == "fast":
-                self._kv = self._fast.new_cache(self.past_len + 256)
-                self._kv.load([layer.keys[0].float().numpy() for layer in self.cache.layers],
-                              [layer.values[0].float().numpy() for layer in self.cache.layers], self.past_len)
-                self.cache = None
-            ids, logits, argmax = self._top_rows(out.logits[0])
-            last, greedy = out.logits[0, -1], int(argmax[-1])
-        first = greedy if sampler is None else sampler.token(last, 0)
-        prompt_ids = inputs.input_ids[0].numpy()
+        self.cache = DynamicCache()
+        input_ids = inputs.input_ids.to(self.device)
+        extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.extra.items()}
+        positions = self._prefill_positions(inputs)
+        capture = self._arm_capture(-1, input_ids)
+        out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True, **extra)
+        self.past_len = input_ids.shape[1]
+        if self.kernels == "fast":
+            self._kv = self._fast.new_cache(self.past_len + 256)
+            self._kv.load([layer.keys[0].float().numpy() for layer in self.cache.layers],
+                          [layer.values[0].float().numpy() for layer in self.cache.layers], self.past_len)
+            self.cache = None
+        ids, logits, argmax = self._top_rows(out.logits[0])
+        first = int(argmax[-1]) if sampler is None else sampler.token(out.logits[0, -1], 0)
+        return self.prompt_rows(inputs.input_ids[0].numpy(), ids, logits,
+                                capture.take() if capture is not None else None), first
+
+    def prompt_rows(self, prompt: np.ndarray, topk_ids: np.ndarray, topk_logits: np.ndarray,
+                    image_attention: float | None = None) -> PromptRows:
+        """What prefill reports to a proposer: the prompt's Top-K rows, and which positions may
+        seed token-keyed memories (not image placeholders, not special tokens)."""
         special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
-        eligible = np.array([t not in self.excluded_tokens and t not in special for t in prompt_ids.tolist()],
-                            dtype=bool)
-        rows = PromptRows(ids=prompt_ids, topk_ids=ids, topk_logits=logits, eligible=eligible,
+        eligible = np.array([t not in self.excluded_tokens and t not in special for t in prompt.tolist()], dtype=bool)
+        return PromptRows(ids=prompt, topk_ids=topk_ids, topk_logits=topk_logits, eligible=eligible,
                           vocab_size=self.vocab_size, excluded_tokens=self.excluded_tokens,
-                          image_attention=capture.take() if capture is not None else None)
-        return rows, first
+                          image_attention=image_attention)
 
-    def _fast_prefills(self, inputs: ModelInputs) -> bool:
-        """Whether this prompt is prefilled on the fast kernels: text only (an image's
-        embeddings and M-RoPE positions come from transformers' own forward)."""
+    def prefill_chunks(self, inputs: ModelInputs) -> ChunkedPrefill | None:
+        """The prompt's prefill as chunks the caller runs (`ChunkedPrefill`), on the fast
+        kernels for text prompts; None where ``prefill`` runs transformers' forward whole
+        (an image's embeddings and M-RoPE positions come from it)."""
         if self.kernels != "fast" or inputs.has_image or inputs.positions is not None:
-            return False
+            return None
         if not set(inputs.extra) <= {"attention_mask", "mm_token_type_ids"}:
-            return False
+            return None
         mask = inputs.extra.get("attention_mask")
-        return mask is None or bool(mask.all())
-
-    def _fast_prefill(self, prompt: np.ndarray) -> tuple[np.ndarray, np.ndarray, torch.Tensor, int]:
-        """The prompt as chained chunks on the fast kernels (`recap.target.kernels.prefix`),
-        rows a recent prompt shared copied from the prefix cache: Top-K ids and logits at every
-        position, the last position's logits and argmax. Bit-identical to one-token steps."""
-        from recap.target.kernels.prefix import PREFILL_CHUNK, chain
-
-        self.position_offset = 0
-        self._image_positions = None
-        length = len(prompt)
-        self._kv = kv = self._fast.new_cache(length + 256)
-        reused, entry = self.prefix_cache.lookup(prompt, length - 1, self.prefix_scope)  # the last row: computed
-        ids, logits = [], []
-        if reused:
-            kv.load(entry.keys[:, :, :reused], entry.values[:, :, :reused], reused)
-            ids.append(entry.topk_ids[:reused])
-            logits.append(entry.topk_logits[:reused])
-        for start in range(reused, length, PREFILL_CHUNK):
-            tokens = prompt[start:start + PREFILL_CHUNK]
-            starts, paths = chain(len(tokens))
-            rows = self._fast.forward(kv, tokens, np.arange(start, start + len(tokens), dtype=np.int64), starts, paths)
-            kv.commit(range(len(tokens)))
-            top_ids, top_logits, argmax = self._top_rows(torch.from_numpy(rows))
-            ids.append(top_ids)
-            logits.append(top_logits)
-            last, greedy = torch.from_numpy(rows[-1].copy()), int(argmax[-1])
-        self.past_len = kv.length
-        ids, logits = np.concatenate(ids), np.concatenate(logits)
-        self.prefix_cache.store(prompt, kv, ids, logits, self.prefix_scope)
-        return ids, logits, last, greedy
+        if mask is not None and not bool(mask.all()):
+            return None
+        return ChunkedPrefill(self, inputs.input_ids[0].numpy())
 
     @torch.inference_mode()
     def verify(self, root: int, tree: DraftTree, sampler: Sampler | None = None, position: int = 0) -> VerifiedTree:

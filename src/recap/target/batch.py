@@ -4,7 +4,7 @@ Every lane (`TargetModel.fork`) holds one request's KV cache. On the fast kernel
 packed trees are concatenated into one step (`FastDecoder.forward_batch`): the linear layers
 read the weights once for all rows, attention stays inside each request's own cache, and
 since every kernel is batch-invariant a request's logits are bit-identical to verifying it
-alone. Lanes on the stock transformers path are verified one after another (batch of one).
+alone. A newcomer's prefill chunk rides in the same forward as a chain of rows. Lanes on the stock transformers path are verified one after another (batch of one).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 
 from recap.core import DraftTree, VerifiedTree
 from recap.target.base import TargetModel
+from recap.target.kernels.prefix import ChunkedPrefill
 from recap.target.protocol import Target
 from recap.target.sampling import Sampler
 
@@ -29,22 +30,30 @@ def can_batch(lanes: Sequence[Target]) -> bool:
 
 @torch.inference_mode()
 def verify_batch(lanes: Sequence[Target], roots: Sequence[int], trees: Sequence[DraftTree],
-                 samplers: Sequence[Sampler | None], positions: Sequence[int]) -> list[VerifiedTree]:
+                 samplers: Sequence[Sampler | None], positions: Sequence[int],
+                 prefills: Sequence[tuple[ChunkedPrefill, int]] = ()) -> list[VerifiedTree]:
     """``lane.verify(root, tree, sampler, position)`` for every lane, in one forward where
-    the lanes `can_batch`; each lane then commits (or not) on its own."""
-    if len({id(lane) for lane in lanes}) != len(lanes):
+    the lanes `can_batch`; each lane then commits (or not) on its own. ``prefills`` (a
+    newcomer's `ChunkedPrefill` and its rows this step) ride in the same forward as chains."""
+    if len({id(lane) for lane in lanes} | {id(p.lane) for p, _ in prefills}) != len(lanes) + len(prefills):
         raise ValueError("a lane appears twice in one batch")
-    if not can_batch(lanes):
+    if not can_batch([*lanes, *(p.lane for p, _ in prefills)]):
+        for chunked, budget in prefills:
+            chunked.absorb(chunked.lane._fast.forward(chunked.lane._kv, *chunked.rows(budget)))
         return [lane.verify(root, tree, sampler, position)
                 for lane, root, tree, sampler, position in zip(lanes, roots, trees, samplers, positions)]
     parts = [lane._fast_rows(root, tree) for lane, root, tree in zip(lanes, roots, trees)]
+    parts += [chunked.rows(budget) for chunked, budget in prefills]
+    caches = [lane._kv for lane in lanes] + [chunked.lane._kv for chunked, _ in prefills]
     bounds = np.zeros(len(parts) + 1, np.int64)
     np.cumsum([len(tokens) for tokens, *_ in parts], out=bounds[1:])
     path_offsets = np.cumsum([0] + [len(paths) for *_, paths in parts])
     starts = np.concatenate([[0]] + [part[2][1:] + offset for part, offset in zip(parts, path_offsets)])
-    logits = lanes[0]._fast.forward_batch(
-        [lane._kv for lane in lanes], np.concatenate([part[0] for part in parts]),
-        np.concatenate([part[1] for part in parts]), bounds, starts.astype(np.int64),
-        np.concatenate([part[3] for part in parts]))
+    fast = (lanes[0] if lanes else prefills[0][0].lane)._fast
+    logits = fast.forward_batch(caches, np.concatenate([part[0] for part in parts]),
+                                np.concatenate([part[1] for part in parts]), bounds, starts.astype(np.int64),
+                                np.concatenate([part[3] for part in parts]))
+    for r, (chunked, _) in enumerate(prefills, start=len(lanes)):
+        chunked.absorb(logits[bounds[r]:bounds[r + 1]])
     return [lane._fast_verified(tree, logits[bounds[r]:bounds[r + 1]], int(bounds[r]), sampler, position)
             for r, (lane, tree, sampler, position) in enumerate(zip(lanes, trees, samplers, positions))]

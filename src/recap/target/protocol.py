@@ -66,6 +66,10 @@ class Target(Protocol):
         """Another lane over the same model, with request state of its own, so that several
         requests can be between prefill and release at once; None: one request at a time."""
 
+    def prefill_chunks(self, inputs: Any) -> Any | None:
+        """The prompt's prefill as chunks a batch runs inside its steps
+        (`recap.target.kernels.prefix.ChunkedPrefill`); None: ``prefill`` runs it whole."""
+
 
 class BaseTarget:
     """Defaults for the optional part of `Target`: no context limit, no sliding window, no
@@ -89,6 +93,9 @@ class BaseTarget:
         return None
 
     def fork(self) -> Target | None:
+        return None
+
+    def prefill_chunks(self, inputs: Any) -> Any | None:
         return None
 
     def _refuse_sampler(self, sampler: Sampler | None) -> None:

@@ -13,10 +13,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from recap.target.kernels.cache import KVCache
+
+if TYPE_CHECKING:
+    from recap.core import PromptRows
+    from recap.target.base import TargetModel
+    from recap.target.sampling import Sampler
 
 PREFILL_CHUNK = 64
 """Prompt rows per prefill forward: bounds the step buffers (and, in a server, how long one
@@ -100,3 +107,66 @@ class PrefixCache:
         self._next += 1
         while self.tokens > self.max_tokens:
             self._entries.popitem(last=False)
+
+
+class ChunkedPrefill:
+    """One text prompt's prefill on a lane, run as chunks of a chain: by ``TargetModel.prefill``
+    one forward per chunk, or by a batch inside its steps beside other requests' trees
+    (`recap.target.batch.verify_batch`), so a newcomer's prefill holds the running requests
+    back by one chunk per step at most. Rows shared with a recent prompt of the same scope are
+    copied from the lane's `PrefixCache` first; the last row is always computed."""
+
+    def __init__(self, lane: TargetModel, prompt: np.ndarray):
+        self.lane, self.prompt = lane, prompt
+        lane.position_offset = 0
+        lane._image_positions = None
+        lane._packed = 0
+        length = len(prompt)
+        lane._kv = kv = lane._fast.new_cache(length + 256)
+        reused, entry = lane.prefix_cache.lookup(prompt, length - 1, lane.prefix_scope)
+        self._ids: list[np.ndarray] = []
+        self._logits: list[np.ndarray] = []
+        if reused:
+            kv.load(entry.keys[:, :, :reused], entry.values[:, :, :reused], reused)
+            self._ids.append(entry.topk_ids[:reused])
+            self._logits.append(entry.topk_logits[:reused])
+        lane.past_len = reused
+        self._last: torch.Tensor | None = None
+        self._greedy = -1
+        self._chunk = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.lane.past_len == len(self.prompt)
+
+    @property
+    def left(self) -> int:
+        """Prompt rows still to compute."""
+        return len(self.prompt) - self.lane.past_len
+
+    def rows(self, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The next chunk, at most ``budget`` rows: tokens, RoPE positions, CSR ancestor lists."""
+        done = self.lane.past_len
+        tokens = self.prompt[done:done + max(1, budget)]
+        self._chunk = len(tokens)
+        starts, paths = chain(len(tokens))
+        return tokens, np.arange(done, done + len(tokens), dtype=np.int64), starts, paths
+
+    def absorb(self, logits: np.ndarray) -> None:
+        """Take the chunk's logits (n, V): keep its K/V, its Top-K rows, and at the end the
+        last row's logits; a finished prompt goes into the prefix cache."""
+        lane, kv = self.lane, self.lane._kv
+        kv.commit(range(self._chunk))
+        lane.past_len = kv.length
+        top_ids, top_logits, argmax = lane._top_rows(torch.from_numpy(logits))
+        self._ids.append(top_ids)
+        self._logits.append(top_logits)
+        self._last, self._greedy = torch.from_numpy(logits[-1].copy()), int(argmax[-1])
+        if self.finished:
+            self._ids, self._logits = [np.concatenate(self._ids)], [np.concatenate(self._logits)]
+            lane.prefix_cache.store(self.prompt, kv, self._ids[0], self._logits[0], lane.prefix_scope)
+
+    def result(self, sampler: Sampler | None = None) -> tuple[PromptRows, int]:
+        """What ``prefill`` returns: the prompt's rows and the first token."""
+        first = self._greedy if sampler is None else sampler.token(self._last, 0)
+        return self.lane.prompt_rows(self.prompt, self._ids[0], self._logits[0]), first
