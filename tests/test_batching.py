@@ -216,11 +216,11 @@ def test_requests_on_one_target_without_lanes_run_one_after_another(tiny_llama):
 
 
 # ------------------------------------------------------------------ the shared budget
-def _brute_force(gains, fixed, requests, cost):
+def _brute_force(gains, fixed, requests, cost, overhead=0.0):
     best, best_counts = -1.0, None
     for counts in itertools.product(*[range(len(g) + 1) for g in gains]):
         value = (requests + sum(float(np.sum(g[:c])) for g, c in zip(gains, counts))) / \
-            float(cost.predict(fixed + sum(counts)))
+            (float(cost.predict(fixed + sum(counts))) + overhead)
         if value > best + 1e-12:
             best, best_counts = value, counts
     return best, best_counts
@@ -228,15 +228,16 @@ def _brute_force(gains, fixed, requests, cost):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.floats(0.01, 0.99), max_size=4), min_size=1, max_size=3),
-       st.floats(0.02, 0.6), st.integers(0, 3))
-def test_the_shared_budget_is_the_exact_optimum(raw, slope, extra_rows):
+       st.floats(0.02, 0.6), st.integers(0, 3), st.sampled_from([0.0, 0.5, 3.0]))
+def test_the_shared_budget_is_the_exact_optimum(raw, slope, extra_rows, overhead):
     gains = [np.sort(np.array(g))[::-1] for g in raw]  # each request's offer best first
     cost = CostProfile.linear(slope)
     requests = len(gains) + (1 if extra_rows else 0)
     fixed = requests + extra_rows
-    counts = share_budget(gains, fixed, requests, cost)
-    value = (requests + sum(float(np.sum(g[:c])) for g, c in zip(gains, counts))) / float(cost.predict(fixed + sum(counts)))
-    best, _ = _brute_force(gains, fixed, requests, cost)
+    counts = share_budget(gains, fixed, requests, cost, overhead=overhead)
+    value = (requests + sum(float(np.sum(g[:c])) for g, c in zip(gains, counts))) / \
+        (float(cost.predict(fixed + sum(counts))) + overhead)
+    best, _ = _brute_force(gains, fixed, requests, cost, overhead)
     assert value == pytest.approx(best, rel=1e-9)
     assert all(0 <= c <= len(g) for g, c in zip(gains, counts))
 
@@ -246,6 +247,7 @@ def test_the_shared_budget_takes_the_likelier_requests_nodes():
     sure, doubtful = np.array([0.95, 0.9, 0.85]), np.array([0.2, 0.1])
     assert share_budget([sure, doubtful], 2, 2, cost) == [3, 0]
     assert share_budget([sure, doubtful], 2, 2, None) == [3, 2]
+    assert share_budget([sure, doubtful], 2, 2, cost, overhead=50.0) == [3, 2]  # a costly step: draft all
 
 
 # ------------------------------------------------------------------ one stream, overlapping requests

@@ -87,6 +87,9 @@ class Batch:
         """Packed rows of the latest steps (roots and prefill chunks included), for reports."""
         self.peak_running = 0
         """The most requests one step has verified together."""
+        self.host_s = 0.0
+        """Seconds a step spends besides its forward (every request's drafting and learning),
+        a running mean: the shared budget prices a step as t(rows) plus this."""
 
     def __len__(self) -> int:
         return len(self.waiting) + len(self.prefilling) + len(self.running)
@@ -122,6 +125,7 @@ class Batch:
         or inputs) leaves with its error, the others go on; an error of the shared forward
         itself is raised."""
         events = self._admit()
+        begun = time.perf_counter()
         chunks = self._chunks()
         prefill_rows = sum(rows for _, rows in chunks)
         trees = self._draft(events, prefill_rows) if self.running else []
@@ -147,6 +151,9 @@ class Batch:
                 continue
             if decoding.done:
                 self._leave(decoding)
+        if running:  # what the step cost besides its forward: drafting, learning, bookkeeping
+            host = time.perf_counter() - begun - seconds
+            self.host_s = host if self.steps == 1 else 0.8 * self.host_s + 0.2 * host
         for decoding, _ in chunks:
             chunked = self.prefilling[decoding]
             if chunked.finished:
@@ -220,7 +227,7 @@ class Batch:
         if offers:
             fixed = sum(len(tree) + 1 for tree in trees.values()) + len(offers) + prefill_rows
             sizes = share_budget([offer.gains for offer in offers.values()], fixed, len(offers) + len(trees),
-                                 self.cost, self._context())
+                                 self.cost, self._context(), self.host_s)
             for (decoding, offer), size in zip(offers.items(), sizes):
                 try:
                     trees[decoding] = decoding.propose(offer.take(size))

@@ -19,6 +19,15 @@ Sources and cells:
   by the cell's observed/prior ratio, as q is for recycled nodes), so a long copy's tokens
   are trusted more the further it has run, and one rejection at some offset does not freeze
   later offsets that were never tried again (cells keyed by offset did that).
+- Opening chains: a continuation drafted at the request's first step rests on the prompt
+  alone; its match is mostly the chat template (the user turn's end and the assistant
+  header) plus the answer's first token, so whether it holds says whether this stream's
+  answers repeat earlier ones, not how long the match is. Its tokens of evidence up to 16
+  have cells of their own (`OPENING_BUCKETS`), and its later tokens' prior is at least
+  `OPENING_PRIOR`. Past 16 matched tokens a copy holds alike in either phase, so those
+  tokens share the running cells (each phase keeps its prior's shape, scaled by the shared
+  cell's observed/prior ratio): a copy learned in full at one turn's opening is trusted
+  when a later turn's second step continues one.
 
 The priors' shapes were read off a held-out measurement (SmolLM2-135M on MMSpec items 3-6 of
 each topic, never the bench's first two; every candidate drafted so every outcome was seen;
@@ -48,14 +57,16 @@ RELIABILITY_BINS = 10
 
 _N_RECYCLED = Q_BINS * (len(DEPTH_EDGES) + 1)
 _N_EVIDENCE = len(EVIDENCE_EDGES) + 1
-_N_PHASE = 2 * _N_EVIDENCE
-"""Per continuation source and phase: evidence buckets x (first | later)."""
-_N_CONTINUATION = 2 * _N_PHASE
-"""Per continuation source: (running | opening) x evidence buckets x (first | later)."""
+_N_RUNNING = 2 * _N_EVIDENCE
+"""Per continuation source: evidence buckets x (first | later)."""
+OPENING_BUCKETS = 5
+"""Evidence buckets (1 up to 9-16) in which opening chains have cells of their own."""
+_N_CONTINUATION = _N_RUNNING + 2 * OPENING_BUCKETS
+"""Per continuation source: the running cells, then the opening ones."""
 LEGACY_CELLS = _N_RECYCLED + 2 * 49
 """Cell count of calibrations saved before the evidence cells (match length x offset
 buckets): their recycled counts still apply, their continuation counts are dropped."""
-EVIDENCE_CELLS = _N_RECYCLED + 2 * _N_PHASE
+EVIDENCE_CELLS = _N_RECYCLED + 2 * _N_RUNNING
 """Cell count of calibrations saved before the opening cells: their recycled counts and
 their continuation counts (as running ones) still apply; opening cells start from the prior."""
 
@@ -70,6 +81,12 @@ ways with the cost profile fixed, the lift drafted more and gained tau on MMSpec
 2.69) and on the repeats set (8.68 -> 8.98), the calibration pulling the cells back within
 a few outcomes where the matches were coincidences."""
 CONTINUATION_CAP = 0.995
+OPENING_PRIOR = 0.98
+"""Prior acceptance of an opening chain's later tokens (its first token accepted, the answer
+copies an earlier one): on the stress set 0.98-1.0 at every evidence, on MMSpec's
+multi-turn units 3 of 4 (SmolLM2, the cost profile fixed; docs/methods.md). With the
+running prior (0.9 at 9-16 matched tokens) the first repeated answer of a stream was drafted
+6 tokens at a time where SAM drafted it whole."""
 
 
 def recycled_prior(q: np.ndarray) -> np.ndarray:
@@ -97,20 +114,24 @@ def evidence(match_length: int, offsets: np.ndarray) -> np.ndarray:
 
 def continuation_cells(source: int, match_length: int, offsets: np.ndarray, opening: bool = False) -> np.ndarray:
     """Cell indices of a continuation chain's tokens (offsets 1, 2, ...) under one match;
-    ``opening``: drafted at the request's first step."""
+    ``opening``: drafted at the request's first step (its own cells up to 16 matched tokens)."""
     offsets = np.asarray(offsets, dtype=np.int64)
     bucket = np.searchsorted(EVIDENCE_EDGES, evidence(match_length, offsets), side="right")
-    base = _N_RECYCLED + (source - REQUEST) * _N_CONTINUATION + (_N_PHASE if opening else 0)
-    return base + 2 * bucket + (offsets > 1)
+    cells = _N_RECYCLED + (source - REQUEST) * _N_CONTINUATION + 2 * bucket + (offsets > 1)
+    if opening:
+        cells = np.where(bucket < OPENING_BUCKETS, cells + _N_RUNNING, cells)
+    return cells
 
 
-def run_prior(evidence: np.ndarray, later: np.ndarray) -> np.ndarray:
+def run_prior(evidence: np.ndarray, later: np.ndarray, opening: bool = False) -> np.ndarray:
     """Prior acceptance of continuation tokens with this evidence (first or later token):
-    the bucket table, or the rule of succession where that is higher."""
+    the bucket table, or the rule of succession where that is higher; an opening chain's
+    later tokens at least `OPENING_PRIOR`."""
     evidence = np.asarray(evidence, dtype=np.float64)
     bucket = np.searchsorted(EVIDENCE_EDGES, evidence, side="right")
     table = np.minimum(CONTINUATION_PRIOR[bucket] + np.where(later, 0.1, 0.0), 0.9)
-    return np.maximum(table, evidence / (evidence + RUN_PSEUDO))
+    prior = np.maximum(table, evidence / (evidence + RUN_PSEUDO))
+    return np.where(later, np.maximum(prior, OPENING_PRIOR), prior) if opening else prior
 
 
 def _with_opening_cells(counts: np.ndarray) -> np.ndarray:
@@ -119,9 +140,9 @@ def _with_opening_cells(counts: np.ndarray) -> np.ndarray:
     out = np.zeros(_N_RECYCLED + 2 * _N_CONTINUATION)
     out[:_N_RECYCLED] = counts[:_N_RECYCLED]
     for source in range(2):
-        old = _N_RECYCLED + source * _N_PHASE
+        old = _N_RECYCLED + source * _N_RUNNING
         new = _N_RECYCLED + source * _N_CONTINUATION
-        out[new:new + _N_PHASE] = counts[old:old + _N_PHASE]
+        out[new:new + _N_RUNNING] = counts[old:old + _N_RUNNING]
     return out
 
 
@@ -140,8 +161,10 @@ class AcceptanceCalibrator:
         self.prior[:_N_RECYCLED] = np.tile(recycled_prior(q_mid), len(DEPTH_EDGES) + 1)
         # A cell's prior is the smooth prior at its bucket's lowest evidence (the 65+ bucket at 65).
         lowest = np.concatenate([[1], EVIDENCE_EDGES])
-        grid = np.stack([run_prior(lowest, False), run_prior(lowest, True)], axis=1).reshape(-1)
-        self.prior[_N_RECYCLED:] = np.tile(grid, 4)  # both sources, both phases
+        running = np.stack([run_prior(lowest, False), run_prior(lowest, True)], axis=1).reshape(-1)
+        low = lowest[:OPENING_BUCKETS]
+        opening = np.stack([run_prior(low, False, True), run_prior(low, True, True)], axis=1).reshape(-1)
+        self.prior[_N_RECYCLED:] = np.tile(np.concatenate([running, opening]), 2)  # both sources
         self._estimate = self.prior.copy()
         self.reliability_counts = np.zeros(RELIABILITY_BINS, dtype=np.float64)
         self.reliability_predicted = np.zeros(RELIABILITY_BINS, dtype=np.float64)
@@ -177,10 +200,10 @@ class AcceptanceCalibrator:
                      opening: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """(estimates, cells) of a chain's tokens: the smooth prior of each token's evidence,
         scaled by its cell's observed/prior ratio, at most `CONTINUATION_CAP`; ``opening``:
-        the chain is drafted at the request's first step (cells of their own)."""
+        the chain is drafted at the request's first step (see the module doc)."""
         offsets = np.asarray(offsets, dtype=np.int64)
         cells = continuation_cells(source, match_length, offsets, opening)
-        prior = run_prior(evidence(match_length, offsets), offsets > 1)
+        prior = run_prior(evidence(match_length, offsets), offsets > 1, opening)
         if not self.enabled:
             return prior, cells
         return np.minimum(prior * (self._estimate[cells] / self.prior[cells]), CONTINUATION_CAP), cells

@@ -280,15 +280,16 @@ def choose(candidates: Candidates, cost: CostProfile | None, context_len: int,
 
 
 def share_budget(gains: Sequence[np.ndarray], fixed_rows: int, requests: int, cost: CostProfile | None,
-                 context_len: int = 0) -> list[int]:
+                 context_len: int = 0, overhead: float = 0.0) -> list[int]:
     """How many nodes each request of a batched step drafts from its best-first ``gains``
     (path probabilities, non-increasing), given ``fixed_rows`` packed rows the step has
     anyway (every request's root, the trees of methods that size their own) and the
     ``requests`` in the step (each commits its bonus token): the counts maximising expected
     committed tokens per second of the whole step,
 
-        (requests + sum of the chosen gains) / t(fixed_rows + chosen).
+        (requests + sum of the chosen gains) / (t(fixed_rows + chosen) + overhead),
 
+    ``overhead`` being what a step costs besides its forward (the same whatever its size).
     Every node costs the same row in t, so for each total the best set is the largest gains
     over all requests (a prefix of each request's offer, hence valid trees): sorting the
     merged gains and scanning the totals finds the exact optimum. No cost profile: all."""
@@ -298,7 +299,7 @@ def share_budget(gains: Sequence[np.ndarray], fixed_rows: int, requests: int, co
     merged = np.concatenate([np.asarray(g, np.float64) for g in gains])
     owner = np.repeat(np.arange(len(gains)), sizes)
     order = np.argsort(-merged, kind="stable")  # stable: each request's own order is kept on ties
-    curve = cost.curve(fixed_rows + len(merged), context_len)[fixed_rows - 1:]
+    curve = cost.curve(fixed_rows + len(merged), context_len)[fixed_rows - 1:] + overhead
     total = int(_best_size(merged[order], curve, len(merged), float(requests)))
     return np.bincount(owner[order[:total]], minlength=len(gains)).tolist()
 

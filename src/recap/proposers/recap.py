@@ -470,6 +470,8 @@ class RecapProposer(BaseProposer):
         accepted[0] = True
         accepted[np.asarray(step.accepted, dtype=np.int64) + 1] = True
         labelled = accepted[step.tree.parents + 1]
+        if step.kept is not None:  # past EOS the request is over: no outcome there is a miss
+            labelled &= step.tree.depths <= step.kept
         outcome = accepted[1:][labelled]
         self.calibrator.record(chosen.probs[labelled], outcome)
         # The request's correction learns from nodes only the recycled tree offered (their

@@ -133,7 +133,7 @@ def _block1(x, m0, w0, out, n, bias):  # pragma: no cover - compiled
     out[m0 + 3, n] = a3
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def linear_f32(x, w, bias, out, rows):  # pragma: no cover - compiled
     """x: (Mp, K) f32, w: (N, K) f32, bias: (N,) or (0,) f32, out: (Mp, N) f32; the first
     ``rows`` rows (a multiple of 4, <= Mp) are computed."""
@@ -162,7 +162,7 @@ def _widen(w, n, table, row):  # pragma: no cover - compiled
             bits[k] = np.uint32(w[n, k]) << 16
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True)
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def linear_u16(x, w, table, bias, out, rows):  # pragma: no cover - compiled
     """`linear_f32` for 16-bit float weights given as uint16 bit patterns (see `_widen`)."""
     quarter = w.shape[0] // COL_BLOCK

@@ -31,7 +31,7 @@ def _sum_squares(a):  # pragma: no cover - compiled
     return s
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rms_norm(x, weight, eps, out, rows):  # pragma: no cover - compiled
     """out[i] = weight * x[i] / sqrt(mean(x[i]^2) + eps) for i < rows. x, out: (Mp, C) f32."""
     width = x.shape[1]
@@ -41,7 +41,7 @@ def rms_norm(x, weight, eps, out, rows):  # pragma: no cover - compiled
             out[i, c] = weight[c] * (x[i, c] * scale)
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def rope(x, heads, cos, sin, positions, rows):  # pragma: no cover - compiled
     """Rotary embedding in place, Hugging Face's rotate-half layout: x[i] viewed as
     (heads, D); cos, sin: (P, D) tables; positions: (M,) int64."""
@@ -59,7 +59,7 @@ def rope(x, heads, cos, sin, positions, rows):  # pragma: no cover - compiled
                 x[i, base + half + d] = hi * c[half + d] + lo * s[half + d]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def silu_mul(gate, up, rows):  # pragma: no cover - compiled
     """gate[i] = silu(gate[i]) * up[i] in place, silu(g) = g / (1 + exp(-g))."""
     for i in range(rows):
@@ -68,7 +68,7 @@ def silu_mul(gate, up, rows):  # pragma: no cover - compiled
             gate[i, c] = g / (np.float32(1.0) + np.exp(-g)) * up[i, c]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def write_cache(kv, cache, start, heads, rows):  # pragma: no cover - compiled
     """cache[h, start + i] = kv[i] viewed as (heads, D), for i < rows; cache: (H_kv, S, D)."""
     dim = cache.shape[2]
@@ -77,7 +77,7 @@ def write_cache(kv, cache, start, heads, rows):  # pragma: no cover - compiled
             cache[h, start + i, :] = kv[i, h * dim : (h + 1) * dim]
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)
 def _key_slot(j, past, ancestors, first):  # pragma: no cover - compiled
     # Key j of a node: the cached prefix first, then its ancestors (root first) and itself,
     # whose K/V this step wrote at slot past + packed index.
@@ -86,7 +86,7 @@ def _key_slot(j, past, ancestors, first):  # pragma: no cover - compiled
     return past + ancestors[first + j - past]
 
 
-@njit(parallel=True, cache=True)
+@njit(parallel=True, cache=True, nogil=True)
 def tree_attention(q, keys, values, past, starts, ancestors, scale, out, rows):  # pragma: no cover - compiled
     """Each packed node attends to the cached prefix and to its own path, in position order.
 
