@@ -234,3 +234,47 @@ def test_calibration_saved_with_the_old_cells_keeps_its_recycled_counts():
     assert old.trials[len(old.prior) - 2 * 16:].sum() == 0
     with pytest.raises(ValueError):
         old.restore(np.zeros(7), np.zeros(7))
+
+
+# ----------------------------------------------------------------------------- opening chains
+def test_an_opening_chain_learns_in_cells_of_its_own():
+    """At the request's first step a long match is mostly the chat template: its cells are
+    its own, and its later tokens start from `OPENING_PRIOR` once 5 tokens are matched."""
+    from recap.core.calibration import OPENING_PRIOR
+
+    calibrator = AcceptanceCalibrator()
+    offsets = np.arange(1, 41)
+    for source in (REQUEST, STORE):
+        opening = continuation_cells(source, 8, offsets, opening=True)
+        running = continuation_cells(source, 8, offsets)
+        assert not set(opening.tolist()) & set(running.tolist())
+        probs, cells = calibrator.continuation(source, 8, offsets, opening=True)
+        assert np.array_equal(cells, opening)
+        assert probs[0] == pytest.approx(calibrator.continuation(source, 8, offsets[:1])[0][0])  # first: as running
+        assert np.all(probs[1:] >= OPENING_PRIOR)
+        assert np.all(calibrator.continuation(source, 8, offsets)[0][1:] < OPENING_PRIOR - 0.02)
+        # A short opening match is a coincidence like any other until 5 tokens are matched.
+        short, _ = calibrator.continuation(source, 1, np.arange(1, 6), opening=True)
+        assert np.all(short[:4] < 0.7) and short[4] >= OPENING_PRIOR
+    # Openings that fail teach the opening cells only.
+    before = calibrator.continuation(REQUEST, 8, offsets)[0].copy()
+    _, cells = calibrator.continuation(REQUEST, 8, np.arange(1, 3), opening=True)
+    for _ in range(5):
+        calibrator.update(cells, np.array([True, False]))
+    assert calibrator.continuation(REQUEST, 8, np.array([2]), opening=True)[0][0] < 0.5
+    assert calibrator.continuation(REQUEST, 8, offsets)[0] == pytest.approx(before)
+
+
+def test_calibration_saved_before_the_opening_cells_keeps_its_counts_as_running_ones():
+    from recap.core.calibration import EVIDENCE_CELLS
+
+    cells = continuation_cells(STORE, 20, np.array([1, 2]))
+    trials = np.zeros(EVIDENCE_CELLS)
+    accepts = np.zeros(EVIDENCE_CELLS)
+    old = cells - 16  # the old layout had no request opening cells (16) before the store's
+    trials[old] = 10
+    accepts[old] = [9, 4]
+    calibrator = AcceptanceCalibrator()
+    calibrator.restore(trials, accepts)
+    assert calibrator.trials[cells].tolist() == [10, 10] and calibrator.accepts[cells].tolist() == [9, 4]
+    assert calibrator.trials.sum() == 20

@@ -363,3 +363,28 @@ def test_drafts_never_reach_past_the_tokens_the_request_may_still_commit(tiny_ll
     for remaining, depth, history_len in seen:
         assert remaining == 9 - (history_len - len(inputs.prompt_ids))
         assert depth <= remaining - 1
+
+
+def test_nodes_past_eos_teach_the_calibration_nothing():
+    """A copy accepted through EOS, then rejected: the request ended at EOS, so the rejection
+    after it is no miss; only the nodes up to the kept tokens are labelled."""
+    from recap.core import VerifiedTree
+    from recap.core.calibration import REQUEST
+    from recap.core.chooser import Candidates, choose
+
+    proposer = RecapProposer()
+    probs, cells = proposer.calibrator.continuation(REQUEST, 20, np.arange(1, 6))
+    candidates = Candidates([], [], [], [], [])
+    candidates.add_chain([5, 6, 7, 8, 9], probs, cells)
+    tree, proposer._pending = choose(candidates, None, 0)
+    rows = len(tree) + 1
+
+    def verified(kept):
+        return VerifiedTree(tree, np.zeros((rows, 1), np.int64), np.zeros((rows, 1), np.float32),
+                            np.zeros(rows, np.int64), [0, 1, 2], kept=kept)
+
+    proposer._learn(verified(None))  # depths 1-3 accepted, 4 rejected
+    assert proposer.calibrator.trials.sum() == 4 and proposer.calibrator.accepts.sum() == 3
+    proposer.calibrator.reset()
+    proposer._learn(verified(2))  # EOS at depth 2: depths 3 and 4 lie past it
+    assert proposer.calibrator.trials.sum() == 2 and proposer.calibrator.accepts.sum() == 2

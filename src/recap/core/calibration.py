@@ -20,14 +20,12 @@ Sources and cells:
   are trusted more the further it has run, and one rejection at some offset does not freeze
   later offsets that were never tried again (cells keyed by offset did that).
 - Opening chains: a continuation drafted at the request's first step rests on the prompt
-  alone; its match is mostly the chat template (the user turn's end and the assistant
-  header) plus the answer's first token, so whether it holds says whether this stream's
-  answers repeat earlier ones, not how long the match is. Its tokens of evidence up to 16
-  have cells of their own (`OPENING_BUCKETS`), and its later tokens' prior is at least
-  `OPENING_PRIOR`. Past 16 matched tokens a copy holds alike in either phase, so those
-  tokens share the running cells (each phase keeps its prior's shape, scaled by the shared
-  cell's observed/prior ratio): a copy learned in full at one turn's opening is trusted
-  when a later turn's second step continues one.
+  alone. A long match there is mostly the chat template (the user turn's end and the
+  assistant header) plus the answer's first token, so whether the chain holds says whether
+  this stream's answers repeat earlier ones, not how long the match is: opening chains have
+  cells of their own (the same buckets), and their later tokens' prior is at least
+  `OPENING_PRIOR` from 5 matched tokens on. (Sharing the running cells past 16 matched
+  tokens was tried: tau on MMSpec fell, 2.72 -> 2.67.)
 
 The priors' shapes were read off a held-out measurement (SmolLM2-135M on MMSpec items 3-6 of
 each topic, never the bench's first two; every candidate drafted so every outcome was seen;
@@ -59,9 +57,7 @@ _N_RECYCLED = Q_BINS * (len(DEPTH_EDGES) + 1)
 _N_EVIDENCE = len(EVIDENCE_EDGES) + 1
 _N_RUNNING = 2 * _N_EVIDENCE
 """Per continuation source: evidence buckets x (first | later)."""
-OPENING_BUCKETS = 5
-"""Evidence buckets (1 up to 9-16) in which opening chains have cells of their own."""
-_N_CONTINUATION = _N_RUNNING + 2 * OPENING_BUCKETS
+_N_CONTINUATION = 2 * _N_RUNNING
 """Per continuation source: the running cells, then the opening ones."""
 LEGACY_CELLS = _N_RECYCLED + 2 * 49
 """Cell count of calibrations saved before the evidence cells (match length x offset
@@ -82,11 +78,11 @@ ways with the cost profile fixed, the lift drafted more and gained tau on MMSpec
 a few outcomes where the matches were coincidences."""
 CONTINUATION_CAP = 0.995
 OPENING_PRIOR = 0.98
-"""Prior acceptance of an opening chain's later tokens (its first token accepted, the answer
-copies an earlier one): on the stress set 0.98-1.0 at every evidence, on MMSpec's
-multi-turn units 3 of 4 (SmolLM2, the cost profile fixed; docs/methods.md). With the
-running prior (0.9 at 9-16 matched tokens) the first repeated answer of a stream was drafted
-6 tokens at a time where SAM drafted it whole."""
+"""Prior acceptance of an opening chain's later tokens after 5+ matched tokens (its first
+token accepted: the answer copies an earlier one). Measured with the cost profile fixed
+(SmolLM2; docs/methods.md): 0.98-1.0 at every evidence on the stress set, 3 of 4 on MMSpec's
+multi-turn units. With the running prior (0.9 up to 16 matched tokens) a stream's first
+repeated answer was drafted 6 tokens at a time where SAM drafted it whole."""
 
 
 def recycled_prior(q: np.ndarray) -> np.ndarray:
@@ -114,24 +110,24 @@ def evidence(match_length: int, offsets: np.ndarray) -> np.ndarray:
 
 def continuation_cells(source: int, match_length: int, offsets: np.ndarray, opening: bool = False) -> np.ndarray:
     """Cell indices of a continuation chain's tokens (offsets 1, 2, ...) under one match;
-    ``opening``: drafted at the request's first step (its own cells up to 16 matched tokens)."""
+    ``opening``: drafted at the request's first step (cells of their own)."""
     offsets = np.asarray(offsets, dtype=np.int64)
     bucket = np.searchsorted(EVIDENCE_EDGES, evidence(match_length, offsets), side="right")
-    cells = _N_RECYCLED + (source - REQUEST) * _N_CONTINUATION + 2 * bucket + (offsets > 1)
-    if opening:
-        cells = np.where(bucket < OPENING_BUCKETS, cells + _N_RUNNING, cells)
-    return cells
+    base = _N_RECYCLED + (source - REQUEST) * _N_CONTINUATION + (_N_RUNNING if opening else 0)
+    return base + 2 * bucket + (offsets > 1)
 
 
 def run_prior(evidence: np.ndarray, later: np.ndarray, opening: bool = False) -> np.ndarray:
     """Prior acceptance of continuation tokens with this evidence (first or later token):
-    the bucket table, or the rule of succession where that is higher; an opening chain's
-    later tokens at least `OPENING_PRIOR`."""
+    the bucket table, or the rule of succession where that is higher; for an opening
+    chain's later tokens after 5+ matched tokens, at least `OPENING_PRIOR`."""
     evidence = np.asarray(evidence, dtype=np.float64)
     bucket = np.searchsorted(EVIDENCE_EDGES, evidence, side="right")
     table = np.minimum(CONTINUATION_PRIOR[bucket] + np.where(later, 0.1, 0.0), 0.9)
     prior = np.maximum(table, evidence / (evidence + RUN_PSEUDO))
-    return np.where(later, np.maximum(prior, OPENING_PRIOR), prior) if opening else prior
+    if opening:
+        prior = np.where(later & (evidence >= 5), np.maximum(prior, OPENING_PRIOR), prior)
+    return prior
 
 
 def _with_opening_cells(counts: np.ndarray) -> np.ndarray:
@@ -161,10 +157,9 @@ class AcceptanceCalibrator:
         self.prior[:_N_RECYCLED] = np.tile(recycled_prior(q_mid), len(DEPTH_EDGES) + 1)
         # A cell's prior is the smooth prior at its bucket's lowest evidence (the 65+ bucket at 65).
         lowest = np.concatenate([[1], EVIDENCE_EDGES])
-        running = np.stack([run_prior(lowest, False), run_prior(lowest, True)], axis=1).reshape(-1)
-        low = lowest[:OPENING_BUCKETS]
-        opening = np.stack([run_prior(low, False, True), run_prior(low, True, True)], axis=1).reshape(-1)
-        self.prior[_N_RECYCLED:] = np.tile(np.concatenate([running, opening]), 2)  # both sources
+        phases = [np.stack([run_prior(lowest, False, opening), run_prior(lowest, True, opening)], axis=1).reshape(-1)
+                  for opening in (False, True)]
+        self.prior[_N_RECYCLED:] = np.tile(np.concatenate(phases), 2)  # both sources
         self._estimate = self.prior.copy()
         self.reliability_counts = np.zeros(RELIABILITY_BINS, dtype=np.float64)
         self.reliability_predicted = np.zeros(RELIABILITY_BINS, dtype=np.float64)
