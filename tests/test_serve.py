@@ -137,6 +137,33 @@ def test_answers_equal_greedy_streamed_or_not(model):
 
 
 @pytest.mark.lossless
+def test_concurrent_image_and_text_requests_are_batched_and_equal_greedy():
+    """Image and text requests at once, streamed and not, on a VLM: they share steps (the
+    batch holds several at a time) and every answer is greedy decoding of it alone."""
+    model = "tiny-qwen2.5-vl"
+    cases = [(f"Tell me about picture {i}." if i % 2 else f"Count to {i + 3}, please.",
+              synthetic_image(i, 48, 40) if i % 2 else None, i % 3 == 0) for i in range(8)]
+    cases += cases[:4]  # asked again: those copies draft from the first answers
+    expected = {(p, i is not None): _greedy_text(model, p, i, 12) for p, i, _ in cases}
+    with serving(model, max_batch=4) as (url, app):
+        client = _client(url)
+
+        def ask(case):
+            prompt, image, stream = case
+            if stream:
+                return _streamed(client, model, prompt, image, max_tokens=12)[0]
+            reply = client.chat.completions.create(model=model, max_tokens=12,
+                                                   messages=[{"role": "user", "content": _content(prompt, image)}])
+            return reply.choices[0].message.content
+
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(ask, cases))
+        assert answers == [expected[p, i is not None] for p, i, _ in cases]
+        assert app.state.engine.batch.peak_running > 1, "the requests were never batched"
+        assert_drafted({"accepted_tokens": _metric(url, "recap_accepted_tokens_total")})
+
+
+@pytest.mark.lossless
 def test_the_demo_vlm_answers_an_image_like_greedy():
     from recap.demo_vlm.scenes import HELD_OUT_START, make_example
 
