@@ -23,8 +23,9 @@ from recap.target.sampling import Sampler, Sampling
 
 @dataclass(frozen=True)
 class IterationStats:
-    """One verification: tree size (root excluded), draft tokens accepted, and where the
-    time went."""
+    """One verification: tree size (root excluded), draft tokens accepted into the output
+    (accepted drafts past EOS or the token limit not counted, so tau is output tokens per
+    step), and where the time went."""
 
     draft_size: int
     accepted: int
@@ -218,9 +219,10 @@ class Decoding:
         result.cut_inside_path |= len(taken) < len(committed)
         result.tokens.extend(taken)
         self.history.extend(taken)
-        iteration = IterationStats(len(tree), len(step.accepted), self._propose_s, t2 - t1, t3 - t2)
+        drafted = min(len(step.accepted), len(taken))  # accepted drafts past EOS or the limit are not output
+        iteration = IterationStats(len(tree), drafted, self._propose_s, t2 - t1, t3 - t2)
         result.iterations.append(iteration)
-        return DecodeStep(list(taken), min(len(step.accepted), len(taken)), iteration)
+        return DecodeStep(list(taken), drafted, iteration)
 
     def close(self) -> None:
         """End the proposer's request and free the KV cache (idempotent; also after an error)."""
