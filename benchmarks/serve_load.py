@@ -112,7 +112,8 @@ def _plot(rows: list[dict], path: str, meta: dict) -> None:
     left.set(xlabel="concurrent clients", ylabel="completion tokens/s (all requests)", xscale="log")
     right.set(xlabel="concurrent clients", ylabel="P50 latency per request (s)", xscale="log")
     for axis in (left, right):
-        axis.set_xticks(sorted({row["concurrency"] for row in rows}), labels=None)
+        axis.minorticks_off()
+        axis.set_xticks(sorted({row["concurrency"] for row in rows}))
         axis.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
         axis.grid(alpha=0.3)
     left.legend()
@@ -150,14 +151,14 @@ def main() -> int:
         app, server, thread, url = _run_server(target, args.model, spec)
         try:
             with ThreadPoolExecutor(max(1, min(4, args.warmup))) as pool:
-                list(pool.map(lambda m: _ask(url, args.model, m, args.max_tokens), warmup))
+                list(pool.map(lambda m, u=url: _ask(u, args.model, m, args.max_tokens), warmup))
             for level, concurrency in enumerate(levels):
                 batch = timed[level * args.requests:(level + 1) * args.requests]
                 expected = greedy[level * args.requests:(level + 1) * args.requests]
                 steps_before, engine = app.state.engine.batch.steps, app.state.engine
                 start = time.perf_counter()
                 with ThreadPoolExecutor(concurrency) as pool:
-                    results = list(pool.map(lambda m: _ask(url, args.model, m, args.max_tokens), batch))
+                    results = list(pool.map(lambda m, u=url: _ask(u, args.model, m, args.max_tokens), batch))
                 wall = time.perf_counter() - start
                 steps = engine.batch.steps - steps_before
                 wrong = [i for i, (r, want) in enumerate(zip(results, expected)) if r["text"] != want]

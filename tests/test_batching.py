@@ -19,10 +19,10 @@ from recap.core import CostProfile, DraftTree
 from recap.core.chooser import share_budget
 from recap.decoding import Decoding, decode
 from recap.errors import InputError
+from recap.prompts import check_prompts
 from recap.proposers import make_proposer
 from recap.proposers.base import BaseProposer
 from recap.proposers.testing import DecoyDrafter
-from recap.prompts import check_prompts
 from recap.target.batch import verify_batch
 from recap.target.kernels.decoder import FastDecoder
 from recap.target.sampling import Sampling

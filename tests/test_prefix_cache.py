@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from recap.images import synthetic_image
 from recap.core import DraftTree
+from recap.images import synthetic_image
 from recap.target.kernels import prefix as prefix_module
 from recap.target.kernels.prefix import PrefixCache
 from tests.conftest import TINY_MODELS, load_target

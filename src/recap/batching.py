@@ -33,7 +33,7 @@ from PIL import Image
 
 from recap.core import CostProfile
 from recap.core.chooser import share_budget
-from recap.decoding import Decoding, DecodeStep, GenerationResult
+from recap.decoding import DecodeStep, Decoding, GenerationResult
 from recap.errors import InputError
 from recap.proposers import Proposer, make_proposer
 from recap.target import TargetModel

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from PIL import Image
 
-from recap.core import CostProfile, DraftTree, StepLimits
+from recap.core import CostProfile, DraftTree, StepLimits, VerifiedTree
 from recap.errors import InputError
 from recap.proposers import Proposer, make_proposer
 from recap.target import ModelInputs, Target, TargetModel

@@ -322,6 +322,9 @@ class Bench:
             advance(f"{unit.topic} {unit.key} [bold]{label}[/]", 0)
             gc.collect()  # untimed: keep collector pauses out of the timed decode
             before = calibration.snapshot(streams[label])
+            # each method reuses only its own earlier prompts' prefixes (as its own server would):
+            # a later method must not get the unit's prefill for free from an earlier one
+            self.target.prefix_scope = label
             with self._kernels_for(specs[label]):
                 results[label] = decode(self.target, streams[label], inputs,
                                         max_new_tokens=self.config.max_new_tokens,

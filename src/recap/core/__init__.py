@@ -7,5 +7,5 @@ from recap.core.steps import DraftOffer, PromptRows, StepLimits, VerifiedTree
 from recap.core.tree import ROOT, DraftTree, TreeBuilder
 from recap.core.trie import NGramTrie
 
-__all__ = ["ROOT", "AdjacencyMatrix", "CostProfile", "DraftOffer", "DraftTree", "NGramTrie", "ProfileError", "PromptRows",
-           "StaticTreeTemplate", "StepLimits", "TreeBuilder", "VerifiedTree"]
+__all__ = ["ROOT", "AdjacencyMatrix", "CostProfile", "DraftOffer", "DraftTree", "NGramTrie", "ProfileError",
+           "PromptRows", "StaticTreeTemplate", "StepLimits", "TreeBuilder", "VerifiedTree"]

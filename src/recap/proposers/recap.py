@@ -33,7 +33,15 @@ from os import PathLike
 import numpy as np
 
 from recap.core import ROOT, DraftOffer, DraftTree, PromptRows, StepLimits, VerifiedTree
-from recap.core.calibration import EVIDENCE_CELLS, LEGACY_CELLS, REQUEST, STORE, AcceptanceCalibrator, is_recycled, recycled_cells
+from recap.core.calibration import (
+    EVIDENCE_CELLS,
+    LEGACY_CELLS,
+    REQUEST,
+    STORE,
+    AcceptanceCalibrator,
+    is_recycled,
+    recycled_cells,
+)
 from recap.core.chooser import Candidates, ChosenSizes, ChosenTree, choose, rank
 from recap.core.fast import FUSION_MODES, PRIORS, FastMemory, context_of
 from recap.core.store import OutputStore

@@ -4,7 +4,8 @@ Every lane (`TargetModel.fork`) holds one request's KV cache. On the fast kernel
 packed trees are concatenated into one step (`FastDecoder.forward_batch`): the linear layers
 read the weights once for all rows, attention stays inside each request's own cache, and
 since every kernel is batch-invariant a request's logits are bit-identical to verifying it
-alone. A newcomer's prefill chunk rides in the same forward as a chain of rows. Lanes on the stock transformers path are verified one after another (batch of one).
+alone. A newcomer's prefill chunk rides in the same forward as a chain of rows. Lanes on the
+stock transformers path are verified one after another (batch of one).
 """
 
 from __future__ import annotations
