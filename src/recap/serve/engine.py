@@ -229,9 +229,10 @@ class Engine:
             self._check_limits()
 
     def _take(self, block: bool) -> bool:
-        """Move queued jobs into the batch (waiting for one when ``block``); True on the
+        """Move queued jobs into the batch while it has room (waiting for one when ``block``),
+        so a job's stream (or fork of it) is taken when it is about to run; True on the
         shutdown sentinel."""
-        while True:
+        while block or len(self.batch) < self.batch.max_batch:
             try:
                 job = self._queue.get(timeout=None) if block else self._queue.get_nowait()
             except queue.Empty:
@@ -249,6 +250,7 @@ class Engine:
             except Exception:  # noqa: BLE001
                 log.exception("request failed")
                 self._finish(job, {"type": "error", "message": "internal server error", "status": 500})
+        return False
 
     def _admit(self, job: Job) -> None:
         """Queue the job's decoding in the batch, on a lane of its own, with its tenant's stream
