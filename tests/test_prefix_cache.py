@@ -36,7 +36,7 @@ def _same(a, b) -> bool:
 
 
 @pytest.fixture
-def fresh_cache(request):
+def fresh_cache():
     """Each test starts from an empty prefix cache on its target."""
     targets = []
 

@@ -139,6 +139,8 @@ class Decoding:
     # The loop's parts, public so that `recap.batching` can verify many requests' trees in one
     # forward between ``propose`` and ``finish``: one request alone runs exactly these calls.
     def _prepare(self) -> None:
+        """Before prefill: the image-attention capture the proposer asks for, its cost profile,
+        and the request's clock."""
         target, proposer = self.target, self.proposer
         # only proposers that gate on it (sam-viskip) pay for the measurement
         target.capture_image_attention(proposer.wants_image_attention)

@@ -333,9 +333,8 @@ class RecapProposer(BaseProposer):
             return None
         self.sync_automaton(history)
         self._context = context_of(history)
-        cap = limits.max_nodes if limits is not None else None
-        ranked = rank(self.candidates(history, limits.max_depth if limits is not None else None), cap,
-                      limits.max_depth if limits is not None else None)
+        cap, depth = (limits.max_nodes, limits.max_depth) if limits is not None else (None, None)
+        ranked = rank(self.candidates(history, depth), cap, depth)
 
         def take(size: int) -> DraftTree:
             tree, self._pending = ranked.take(size)
