@@ -123,3 +123,45 @@ def test_a_header_timeout_must_be_positive(capsys):
 
     assert main(["serve", "--model", "tiny-llama", "--header-timeout", "0"]) == 2
     assert "--header-timeout must be positive" in capsys.readouterr().err
+
+
+def test_threads_saving_the_same_files_at_once_never_share_a_temporary(tmp_path, monkeypatch):
+    """Every atomic save (token memory, adjacency, bench JSON) takes a temporary name of its own:
+    with the process id alone, two threads' writes would interleave in one file and one rename
+    would fail or publish the other's half-written bytes."""
+    import json
+
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    from recap.bench.results import write_json_atomic
+    from recap.core import adjacency
+
+    names = []
+    seen = adjacency.temporary_path
+    monkeypatch.setattr(adjacency, "temporary_path", lambda path: names.append(seen(path)) or names[-1])
+    matrix = adjacency.AdjacencyMatrix(vocab_size=32, k=2, fill=-1)
+    matrix.table[3] = [4, 5]
+    target_json, target_matrix = tmp_path / "results.json", tmp_path / "u.safetensors"
+    barrier, errors = threading.Barrier(8), []
+
+    def save(i: int) -> None:
+        try:
+            barrier.wait()
+            for _ in range(5):
+                write_json_atomic(target_json, {"writer": i, "rows": list(range(200))})
+                matrix.save(target_matrix)
+        except Exception as error:  # noqa: BLE001 - collected for the assertion below
+            errors.append(error)
+
+    threads = [threading.Thread(target=save, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert len(set(names)) == len(names) == 40
+    assert json.loads(target_json.read_text())["rows"] == list(range(200))
+    assert load_file(str(target_matrix))["tokens"].tolist() == [3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.json", "u.safetensors"]
+    assert np.array_equal(adjacency.AdjacencyMatrix.load(target_matrix, fill=-1).table[3], [4, 5])

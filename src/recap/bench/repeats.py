@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from recap.bench.data import DATA_FILE, BenchItem, load_items
+from recap.core.persistence import temporary_path
 
 VERSION = 1
 SOURCES = ("general vqa", "image captioning", "chart understanding", "multi-turn conversation")
@@ -91,9 +92,12 @@ def write(out: Path, mmspec_file: Path, per_source: int = 1) -> Path:
     path = out / DATA_FILE
     text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
     if not path.exists() or path.read_text(encoding="utf-8") != text:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
+        tmp = Path(temporary_path(path))
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            tmp.replace(path)
+        finally:
+            tmp.unlink(missing_ok=True)
     return path
 
 

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from recap.core.persistence import temporary_path
 from recap.errors import InputError
 
 RESULTS = "results.jsonl"
@@ -43,9 +44,12 @@ def interrupts_held() -> Iterator[None]:
 
 def write_json_atomic(path: Path, data: object) -> None:
     """Write JSON through a temporary file and a rename: readers never see half a file."""
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
-    os.replace(temporary, path)
+    temporary = Path(temporary_path(path))
+    try:
+        temporary.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
 class ResultsFile:

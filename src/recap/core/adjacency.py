@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from recap.core.persistence import temporary_path
 from recap.errors import InputError
 
 FORMAT = "recap-adjacency-matrix"
@@ -97,9 +98,14 @@ class AdjacencyMatrix:
 
         tokens = np.flatnonzero((self.table != self.fill).any(axis=1)).astype(np.int64)
         metadata = {"format": FORMAT, "vocab_size": str(self.vocab_size), "k": str(self.k), "fill": str(self.fill)}
-        temporary = f"{os.fspath(path)}.tmp-{os.getpid()}"
-        save_file({"tokens": tokens, "rows": np.ascontiguousarray(self.table[tokens])}, temporary, metadata=metadata)
-        os.replace(temporary, path)
+        temporary = temporary_path(path)
+        try:
+            save_file({"tokens": tokens, "rows": np.ascontiguousarray(self.table[tokens])}, temporary,
+                      metadata=metadata)
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, fill: int) -> AdjacencyMatrix:
