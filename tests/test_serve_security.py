@@ -571,3 +571,14 @@ def test_errors_show_no_server_paths_or_class_names(monkeypatch):
         streamed = _post(url, {"model": "tiny-llama", "messages": HI, "max_tokens": 2, "stream": True})
         assert streamed.status_code == 200 and "internal server error" in streamed.text
         assert "RuntimeError" not in streamed.text and target.name not in streamed.text
+
+
+def test_a_request_after_shutdown_began_is_answered_503_not_429():
+    """A server that is shutting down will not take the request however long the client waits:
+    503 (``shutting_down``), not 429's "busy, retry later" with a Retry-After."""
+    with serving("tiny-llama") as (url, app):
+        assert _post(url, {"model": "tiny-llama", "messages": HI, "max_tokens": 2}).status_code == 200
+        app.state.engine.shutdown()
+        response = _post(url, {"model": "tiny-llama", "messages": HI, "max_tokens": 2})
+        error = _error(response, 503)
+        assert error["code"] == "shutting_down" and "retry-after" not in response.headers

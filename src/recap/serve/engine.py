@@ -35,6 +35,10 @@ class QueueFull(Exception):
     """The queue holds ``max_queue`` waiting requests already."""
 
 
+class ShuttingDown(QueueFull):
+    """The engine refuses new jobs: it is shutting down (a 503, not a 429: retrying here is futile)."""
+
+
 class IncrementalDetokenizer:
     """Text deltas from token ids, computed as vLLM's and TGI's servers do: each step decodes
     only a window of recent tokens, ``tokens[prefix:]``, and sends what it adds past the text
@@ -176,7 +180,7 @@ class Engine:
     def submit(self, job: Job) -> None:
         with self._lock:
             if not self._accepting:
-                raise QueueFull("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             if self.depth >= self.max_queue:
                 raise QueueFull(f"{self.depth} requests are already waiting")
             self._waiting += 1
