@@ -134,3 +134,32 @@ def test_prefixes_are_reused_only_within_their_scope(fresh_cache):
     assert target.prefix_cache.hits == hits
     _prefilled(lane, second)
     assert target.prefix_cache.hits == hits + 1
+
+
+def test_requests_admitted_together_compute_their_shared_prefix_once(fresh_cache, monkeypatch):
+    """A burst of prompts with one system prompt, admitted in one step: the cache is asked when
+    a prompt's first chunk runs and every chunk publishes its rows, so the later prompts copy
+    what the first computed (before: each looked up at admission, found nothing, and computed
+    the shared rows again). Outputs stay those of each prompt alone."""
+    from recap import generate
+    from recap.batching import generate_batch
+
+    target = fresh_cache(load_target("tiny-llama"))
+    questions = ("Name a large river.", "Name a tall mountain.", "Name a deep lake.")
+    messages = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}] for q in questions]
+    alone = []
+    for message in messages:
+        target.prefix_cache.clear()
+        alone.append(generate(target, message, method="pld", max_new_tokens=6).tokens)
+    target.prefix_cache = cache = PrefixCache()
+    computed = []
+    absorb = prefix_module.ChunkedPrefill.absorb
+    monkeypatch.setattr(prefix_module.ChunkedPrefill, "absorb",
+                        lambda self, logits: computed.append(len(logits)) or absorb(self, logits))
+    batched = generate_batch(target, messages, method="pld", max_new_tokens=6, max_batch=3, progress=False)
+    assert [r.tokens for r in batched] == alone
+    ids = [[int(t) for t in _prompt(target, q).prompt_ids] for q in questions]
+    shared = min(next(i for i, (a, b) in enumerate(zip(ids[0], other)) if a != b) for other in ids[1:])
+    assert shared > 10
+    assert cache.reused_tokens >= 2 * min(shared, 32)  # at most a 32-row chunk was published when they looked
+    assert sum(computed) == sum(map(len, ids)) - cache.reused_tokens

@@ -114,26 +114,39 @@ class ChunkedPrefill:
     one forward per chunk, or by a batch inside its steps beside other requests' trees
     (`recap.target.batch.verify_batch`), so a newcomer's prefill holds the running requests
     back by one chunk per step at most. Rows shared with a recent prompt of the same scope are
-    copied from the lane's `PrefixCache` first; the last row is always computed."""
+    copied from the lane's `PrefixCache` first; the last row is always computed.
+
+    The cache is asked when the first chunk is about to run, not when the request is admitted,
+    and every chunk publishes the rows computed so far: requests admitted together (a burst of
+    clients with one system prompt) then compute the shared prefix once, not once each."""
 
     def __init__(self, lane: TargetModel, prompt: np.ndarray):
         self.lane, self.prompt = lane, prompt
         lane.position_offset = 0
         lane._image_positions = None
         lane._packed = 0
-        length = len(prompt)
-        lane._kv = kv = lane._fast.new_cache(length + 256)
-        reused, entry = lane.prefix_cache.lookup(prompt, length - 1, lane.prefix_scope)
+        lane._kv = lane._fast.new_cache(len(prompt) + 256)
+        lane.past_len = 0
+        self._looked_up = False
         self._ids: list[np.ndarray] = []
         self._logits: list[np.ndarray] = []
-        if reused:
-            kv.load(entry.keys[:, :, :reused], entry.values[:, :, :reused], reused)
-            self._ids.append(entry.topk_ids[:reused])
-            self._logits.append(entry.topk_logits[:reused])
-        lane.past_len = reused
         self._last: torch.Tensor | None = None
         self._greedy = -1
         self._chunk = 0
+
+    def _reuse(self) -> None:
+        """Copy the longest prefix the cache holds for this prompt's scope (once, before the
+        first chunk)."""
+        if self._looked_up:
+            return
+        self._looked_up = True
+        lane = self.lane
+        reused, entry = lane.prefix_cache.lookup(self.prompt, len(self.prompt) - 1, lane.prefix_scope)
+        if reused:
+            lane._kv.load(entry.keys[:, :, :reused], entry.values[:, :, :reused], reused)
+            self._ids.append(entry.topk_ids[:reused])
+            self._logits.append(entry.topk_logits[:reused])
+            lane.past_len = reused
 
     @property
     def finished(self) -> bool:
@@ -142,10 +155,12 @@ class ChunkedPrefill:
     @property
     def left(self) -> int:
         """Prompt rows still to compute."""
+        self._reuse()
         return len(self.prompt) - self.lane.past_len
 
     def rows(self, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """The next chunk, at most ``budget`` rows: tokens, RoPE positions, CSR ancestor lists."""
+        self._reuse()
         done = self.lane.past_len
         tokens = self.prompt[done:done + max(1, budget)]
         self._chunk = len(tokens)
@@ -154,7 +169,8 @@ class ChunkedPrefill:
 
     def absorb(self, logits: np.ndarray) -> None:
         """Take the chunk's logits (n, V): keep its K/V, its Top-K rows, and at the end the
-        last row's logits; a finished prompt goes into the prefix cache."""
+        last row's logits. The rows so far go into the prefix cache (a longer entry of the same
+        prompt replaces a shorter one)."""
         lane, kv = self.lane, self.lane._kv
         kv.commit(range(self._chunk))
         lane.past_len = kv.length
@@ -162,9 +178,8 @@ class ChunkedPrefill:
         self._ids.append(top_ids)
         self._logits.append(top_logits)
         self._last, self._greedy = torch.from_numpy(logits[-1].copy()), int(argmax[-1])
-        if self.finished:
-            self._ids, self._logits = [np.concatenate(self._ids)], [np.concatenate(self._logits)]
-            lane.prefix_cache.store(self.prompt, kv, self._ids[0], self._logits[0], lane.prefix_scope)
+        self._ids, self._logits = [np.concatenate(self._ids)], [np.concatenate(self._logits)]
+        lane.prefix_cache.store(self.prompt[:lane.past_len], kv, self._ids[0], self._logits[0], lane.prefix_scope)
 
     def result(self, sampler: Sampler | None = None) -> tuple[PromptRows, int]:
         """What ``prefill`` returns: the prompt's rows and the first token."""
