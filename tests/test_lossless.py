@@ -140,14 +140,12 @@ def test_positions_without_mrope_delta_are_detected(kernels, monkeypatch):
     from recap.prompts import check_prompts
 
     target = load_target("tiny-qwen2.5-vl", kernels=kernels)
-    original = QwenVLTarget._prefill_positions
+    original = QwenVLTarget._prompt_positions
 
     def without_delta(self, inputs):
-        positions = original(self, inputs)
-        self.position_offset = 0
-        return positions
+        return original(self, inputs)[0], 0
 
-    monkeypatch.setattr(QwenVLTarget, "_prefill_positions", without_delta)
+    monkeypatch.setattr(QwenVLTarget, "_prompt_positions", without_delta)
     if kernels == "stock":
         report = run_check(target, DecoyDrafter(seed=6), prompts=8, max_new_tokens=32, seed=6)
         assert report.failed > 0

@@ -111,13 +111,71 @@ def test_the_prefix_cache_is_bounded_and_drops_the_least_recent(fresh_cache):
     assert 0 < cache.tokens <= 100
 
 
-def test_image_prompts_keep_the_stock_prefill(fresh_cache):
-    target = fresh_cache(load_target("tiny-qwen2.5-vl"))
-    inputs = target.prepare("What is in the picture?", synthetic_image(0, 64, 48))
-    assert inputs.has_image and target.prefill_chunks(inputs) is None
-    target.prefill(inputs)
-    target.release()
-    assert target.prefix_cache.tokens == 0
+VISION_MODELS = [name for name in TINY_MODELS if name != "tiny-llama"]
+
+
+@pytest.mark.parametrize("name", VISION_MODELS)
+def test_an_image_prompt_prefills_in_chunks_as_one_token_steps_bit_for_bit(name, fresh_cache, monkeypatch):
+    """The vision tower runs once (`encode_images`), then the language rows go through the fast
+    step as chains: chunks of one row (one-token steps with the image's input vectors and
+    M-RoPE coordinates), of five, or the whole prompt give the same bits."""
+    target = fresh_cache(load_target(name))
+    inputs = target.encode_images(target.prepare("What is in the picture?", synthetic_image(0, 64, 48)))
+    assert inputs.language is not None and inputs.language.first_image_row < len(inputs.prompt_ids)
+    if name == "tiny-qwen2.5-vl":  # image rows have three different coordinates
+        assert inputs.language.positions.shape[1] == 3 and inputs.language.rope_offset != 0
+    whole = _prefilled(target, inputs)
+    for chunk in (1, 5):
+        monkeypatch.setattr(prefix_module, "PREFILL_CHUNK", chunk)
+        monkeypatch.setattr("recap.target.base.PREFILL_CHUNK", chunk)
+        assert _same(_prefilled(target, inputs), whole)
+    assert target.prefix_cache.tokens <= inputs.language.first_image_row
+
+
+@pytest.mark.parametrize("name", VISION_MODELS)
+def test_two_images_after_the_same_text_share_only_the_text_rows(name, fresh_cache, monkeypatch):
+    """Image placeholders are the same tokens for every image, so a cache keyed by tokens must
+    stop at the first image row. Negative control: a prefill that shares past it must be caught."""
+    target = fresh_cache(load_target(name))
+    first = target.prepare("What is in the picture?", synthetic_image(1, 64, 48))
+    second = target.prepare("What is in the picture?", synthetic_image(2, 64, 48))
+    assert first.prompt_ids == second.prompt_ids
+    alone = _prefilled(target, second)
+    target.prefix_cache.clear()
+    _prefilled(target, first)
+    shared = _prefilled(target, second)
+    assert 0 < target.prefix_cache.reused_tokens <= target.encode_images(second).language.first_image_row
+    assert _same(shared, alone)
+    original = prefix_module.ChunkedPrefill.__init__
+
+    def unbounded(self, lane, prompt, language=None):
+        original(self, lane, prompt, language)
+        self._shareable = len(prompt)
+
+    monkeypatch.setattr(prefix_module.ChunkedPrefill, "__init__", unbounded)
+    target.prefix_cache.clear()
+    _prefilled(target, first)
+    assert not _same(_prefilled(target, second), alone)
+
+
+def test_the_image_attention_capture_rides_on_the_chunked_prefill(fresh_cache):
+    """SAM+ViSkip's gate (the last prompt row's attention on the image) is read from the fast
+    step, so the capture never changes which path, and hence which bits, a prefill takes.
+    It matches the stock capture's value closely (different kernels, so not bit for bit)."""
+    fast = fresh_cache(load_target("tiny-qwen2.5-vl"))
+    stock = load_target("tiny-qwen2.5-vl", kernels="stock")
+    inputs = fast.prepare("What is in the picture?", synthetic_image(0, 64, 48))
+    values = []
+    for target in (fast, stock):
+        assert target.capture_image_attention(True)
+        try:
+            rows, _ = target.prefill(inputs)
+            target.release()
+        finally:
+            target.capture_image_attention(False)
+        values.append(rows.image_attention)
+    assert values[0] is not None and 0 < values[0] < 1
+    assert values[0] == pytest.approx(values[1], rel=1e-3)
 
 
 def test_prefixes_are_reused_only_within_their_scope(fresh_cache):
@@ -155,7 +213,7 @@ def test_requests_admitted_together_compute_their_shared_prefix_once(fresh_cache
     computed = []
     absorb = prefix_module.ChunkedPrefill.absorb
     monkeypatch.setattr(prefix_module.ChunkedPrefill, "absorb",
-                        lambda self, logits: computed.append(len(logits)) or absorb(self, logits))
+                        lambda self, logits, *rest: computed.append(len(logits)) or absorb(self, logits, *rest))
     batched = generate_batch(target, messages, method="pld", max_new_tokens=6, max_batch=3, progress=False)
     assert [r.tokens for r in batched] == alone
     ids = [[int(t) for t in _prompt(target, q).prompt_ids] for q in questions]

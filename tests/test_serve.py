@@ -147,6 +147,9 @@ def test_concurrent_image_and_text_requests_are_batched_and_equal_greedy():
     expected = {(p, i is not None): _greedy_text(model, p, i, 12) for p, i, _ in cases}
     with serving(model, max_batch=4) as (url, app):
         client = _client(url)
+        vision = app.state.engine.target.model.model.visual
+        towers = []  # the threads the vision tower ran on: the HTTP workers, never the decoder
+        hook = vision.register_forward_hook(lambda *_: towers.append(threading.current_thread().name))
 
         def ask(case):
             prompt, image, stream = case
@@ -158,8 +161,10 @@ def test_concurrent_image_and_text_requests_are_batched_and_equal_greedy():
 
         with ThreadPoolExecutor(6) as pool:
             answers = list(pool.map(ask, cases))
+        hook.remove()
         assert answers == [expected[p, i is not None] for p, i, _ in cases]
         assert app.state.engine.batch.peak_running > 1, "the requests were never batched"
+        assert len(towers) == 6 and "recap-decoder" not in towers
         assert_drafted({"accepted_tokens": _metric(url, "recap_accepted_tokens_total")})
 
 

@@ -3,11 +3,12 @@
 Each request is a `Decoding` on its own lane (`TargetModel.fork`) with its own proposer. A
 `Batch` steps them together:
 
-1. **admit**: a waiting request joins. A text prompt on the fast kernels is prefilled in
-   chunks that ride in the coming steps' forwards (``prefill_rows`` rows per step in all, so a
+1. **admit**: a waiting request joins. On the fast kernels its prompt is prefilled in chunks
+   that ride in the coming steps' forwards (``prefill_rows`` rows per step in all, so a
    newcomer holds the running requests back by one chunk per step, never by its whole
-   prompt); an image prompt (transformers' own prefill) runs whole, ``prefills_per_step``
-   per step at most. Its first token is its first event;
+   prompt; an image's vision tower runs first, at admission unless the caller ran
+   ``target.encode_images`` already); on the stock kernels a prompt runs whole,
+   ``prefills_per_step`` per step at most. Its first token is its first event;
 2. **draft**: every running request drafts. Cost-aware proposers `offer` their candidates
    best first, and one budget is shared by expected gain (`share_budget`: the node set that
    maximises expected committed tokens per second of the whole step under t(total rows));
@@ -167,7 +168,7 @@ class Batch:
 
     def _admit(self) -> list[BatchEvent]:
         """Newcomers join while there is room: a chunked prefill starts (its rows run inside
-        the coming steps), a whole one (image prompts, stock kernels) runs now, at most
+        the coming steps), a whole one (the stock kernels) runs now, at most
         ``prefills_per_step`` of those per step."""
         events, whole = [], 0
         while self.waiting and len(self.running) + len(self.prefilling) < self.max_batch and \

@@ -325,7 +325,8 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
 
     # ------------------------------------------------------------------ chat completions
     def prepare(raw: bytearray) -> tuple[ChatRequest, ModelInputs]:
-        """Parse, check the model name, then decode the image and tokenise (in a worker thread)."""
+        """Parse, check the model name, then decode the image, tokenise and run the vision tower
+        (in a worker thread, so the decoding thread only prefills the language rows)."""
         chat = parse_chat_request(parse_json_body(raw))
         if chat.model != config.model_name:
             raise ApiError(404, f"model {chat.model[:64]!r} is not served here; this server serves "
@@ -340,7 +341,7 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
                                 f"{target.max_context} tokens", code="context_length_exceeded")
         image = read_image_url(chat.image_url, images) if chat.image_url is not None else None
         try:
-            return chat, target.prepare(chat.messages, image)
+            return chat, target.encode_images(target.prepare(chat.messages, image))
         except InputError as error:
             raise ApiError(400, str(error)) from None
         except Exception:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +26,7 @@ from recap.core import CostProfile, DraftTree, PromptRows, VerifiedTree
 from recap.errors import InputError
 from recap.target.attention import compact_cache, tree_attention_mask, tree_positions
 from recap.target.image_attention import ImageAttentionCapture
+from recap.target.kernels.args import language_model
 from recap.target.kernels.prefix import PREFILL_CHUNK, ChunkedPrefill
 from recap.target.protocol import BaseTarget
 from recap.target.sampling import Sampler
@@ -43,10 +46,32 @@ class ModelInputs:
     positions: torch.Tensor | None = None
     """Prompt position ids computed by the caller (``generate()`` hands M-RoPE ones to a
     custom loop after popping the image grid); None: the adapter computes them."""
+    language: LanguageInputs | None = None
+    """The prompt as the language model takes it, once `TargetModel.encode_images` has run
+    the vision tower (the fast kernels then prefill an image prompt in chunks)."""
 
     @property
     def prompt_ids(self) -> list[int]:
         return self.input_ids[0].tolist()
+
+
+@dataclass
+class LanguageInputs:
+    """An image prompt after the vision tower: what its language model's forward receives,
+    taken from the model's own code (image features merged into the token embeddings)."""
+
+    embeds: np.ndarray
+    """(P, hidden) float32 input vectors."""
+    positions: np.ndarray
+    """(P,) RoPE positions, or (P, 3) M-RoPE coordinates."""
+    rope_offset: int
+    """What later (text) positions add to the cached length."""
+    first_image_row: int
+    """Rows before it are text: a prefix cache may share them with other prompts."""
+
+
+class _Captured(Exception):
+    """Stops a VLM's forward once its language model's inputs are known."""
 
 
 class TargetModel(BaseTarget):
@@ -71,6 +96,7 @@ class TargetModel(BaseTarget):
         self._reset_request()
         self._capture: ImageAttentionCapture | None = None
         self._image_token = getattr(model.config, "image_token_id", None) if self.accepts_images else None
+        self._encode_lock = threading.Lock()
         self.cost_profile: CostProfile | None = None
         """Verify-cost profile handed to cost-aware proposers; None: resolved on first use."""
         self._cost_key: dict | None = None
@@ -124,10 +150,14 @@ class TargetModel(BaseTarget):
             ids = self.tokenizer(text, return_tensors="pt")["input_ids"]
         return ModelInputs(input_ids=ids)
 
+    def _prompt_positions(self, inputs: ModelInputs) -> tuple[torch.Tensor, int]:
+        """Position ids for the prompt, and the offset later steps add to the cached length."""
+        return torch.arange(inputs.input_ids.shape[1], device=self.device)[None], 0
+
     def _prefill_positions(self, inputs: ModelInputs) -> torch.Tensor:
         """Position ids for the prompt; sets ``self.position_offset`` for later steps."""
-        self.position_offset = 0
-        return torch.arange(inputs.input_ids.shape[1], device=self.device)[None]
+        positions, self.position_offset = self._prompt_positions(inputs)
+        return positions
 
     # ----------------------------------------------------------------- public interface
     def use_kernels(self, kernels: str = "auto") -> str:
@@ -223,7 +253,9 @@ class TargetModel(BaseTarget):
         chunked = self.prefill_chunks(inputs)
         if chunked is not None:
             while not chunked.finished:
-                chunked.absorb(self._fast.forward(self._kv, *chunked.rows(PREFILL_CHUNK)))
+                rows = chunked.rows(PREFILL_CHUNK)
+                vectors = chunked.embeds()
+                chunked.absorb(self._fast.forward(self._kv, *rows, [] if vectors is None else [(0, vectors)]))
             return chunked.result(sampler)
         self._packed = 0
         self.cache = DynamicCache()
@@ -254,17 +286,66 @@ class TargetModel(BaseTarget):
                           image_attention=image_attention)
 
     def prefill_chunks(self, inputs: ModelInputs) -> ChunkedPrefill | None:
-        """The prompt's prefill as chunks the caller runs (`ChunkedPrefill`), on the fast
-        kernels for text prompts; None where ``prefill`` runs transformers' forward whole
-        (an image's embeddings and M-RoPE positions come from it)."""
-        if self.kernels != "fast" or inputs.has_image or inputs.positions is not None:
-            return None
-        if not set(inputs.extra) <= {"attention_mask", "mm_token_type_ids"}:
+        """The prompt's prefill as chunks the caller runs (`ChunkedPrefill`) on the fast
+        kernels: a text prompt, or an image prompt after `encode_images` (run here if the
+        caller has not). None where ``prefill`` runs transformers' forward whole: the stock
+        kernels, caller-made positions or a padded mask."""
+        if self.kernels != "fast" or inputs.positions is not None:
             return None
         mask = inputs.extra.get("attention_mask")
         if mask is not None and not bool(mask.all()):
             return None
+        if inputs.has_image:
+            language = self.encode_images(inputs).language
+            return ChunkedPrefill(self, inputs.input_ids[0].numpy(), language)
+        if not set(inputs.extra) <= {"attention_mask", "mm_token_type_ids"}:
+            return None
         return ChunkedPrefill(self, inputs.input_ids[0].numpy())
+
+    @torch.inference_mode()
+    def encode_images(self, inputs: ModelInputs) -> ModelInputs:
+        """Run the vision tower of an image prompt now, in the caller's thread, and keep what
+        the language model would receive (`LanguageInputs`): the server calls this while it
+        prepares a request, so the decoding thread only prefills the language rows, in chunks
+        beside the running requests. The embeddings are taken from the model's own forward,
+        stopped at its language model's input, so every family merges its image features
+        as transformers does. Text prompts, the stock kernels and prepared inputs pass through.
+        One encode at a time per model: the others wait rather than take the decoder's core."""
+        if inputs.language is not None or not inputs.has_image or self.kernels != "fast" \
+                or inputs.positions is not None:
+            return inputs
+        decoder = language_model(self.model)
+        positions, offset = self._prompt_positions(inputs)
+        seen: dict[str, torch.Tensor] = {}
+        caller = threading.get_ident()
+
+        def take(module, args, kwargs):  # another thread's forward on this model passes through
+            if threading.get_ident() != caller:
+                return None
+            seen.update(embeds=kwargs.get("inputs_embeds"), positions=kwargs.get("position_ids"))
+            raise _Captured
+
+        extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.extra.items()}
+        with self._encode_lock:
+            handle = decoder.register_forward_pre_hook(take, with_kwargs=True)
+            try:
+                self.model(input_ids=inputs.input_ids.to(self.device), position_ids=positions, use_cache=False,
+                           **extra)
+            except _Captured:
+                pass
+            finally:
+                handle.remove()
+        if seen.get("embeds") is None:
+            raise RuntimeError(f"{self.name}: the language model's input embeddings could not be taken")
+        taken = seen["positions"] if seen.get("positions") is not None else positions
+        taken = taken.reshape(-1, taken.shape[-1])[-3:] if taken.ndim == 3 else taken.reshape(1, -1)
+        rows = taken[0] if taken.shape[0] == 1 else taken.T  # (P,) or (P, 3)
+        image_rows = np.flatnonzero(np.isin(inputs.input_ids[0].numpy(), list(self.excluded_tokens)))
+        language = LanguageInputs(
+            embeds=np.ascontiguousarray(seen["embeds"][0].float().numpy()),
+            positions=np.ascontiguousarray(rows.cpu().numpy().astype(np.int64)), rope_offset=int(offset),
+            first_image_row=int(image_rows[0]) if len(image_rows) else inputs.input_ids.shape[1])
+        return dataclasses.replace(inputs, language=language)
 
     @torch.inference_mode()
     def verify(self, root: int, tree: DraftTree, sampler: Sampler | None = None, position: int = 0) -> VerifiedTree:

@@ -29,6 +29,18 @@ def can_batch(lanes: Sequence[Target]) -> bool:
                                and lane._fast is lanes[0]._fast for lane in lanes)
 
 
+def _embeds(vectors: np.ndarray | None) -> list[tuple[int, np.ndarray]]:
+    return [] if vectors is None else [(0, vectors)]
+
+
+def _positions(parts: Sequence[np.ndarray]) -> np.ndarray:
+    """The step's positions: (M,), or (M, 3) once an image prompt's M-RoPE chunk rides along
+    (a text row's three coordinates are equal)."""
+    if all(part.ndim == 1 for part in parts):
+        return np.concatenate(parts)
+    return np.concatenate([part if part.ndim == 2 else np.repeat(part[:, None], 3, axis=1) for part in parts])
+
+
 @torch.inference_mode()
 def verify_batch(lanes: Sequence[Target], roots: Sequence[int], trees: Sequence[DraftTree],
                  samplers: Sequence[Sampler | None], positions: Sequence[int],
@@ -40,7 +52,8 @@ def verify_batch(lanes: Sequence[Target], roots: Sequence[int], trees: Sequence[
         raise ValueError("a lane appears twice in one batch")
     if not can_batch([*lanes, *(p.lane for p, _ in prefills)]):
         for chunked, budget in prefills:
-            chunked.absorb(chunked.lane._fast.forward(chunked.lane._kv, *chunked.rows(budget)))
+            chunked.absorb(chunked.lane._fast.forward(chunked.lane._kv, *chunked.rows(budget),
+                                                      _embeds(chunked.embeds())))
         return [lane.verify(root, tree, sampler, position)
                 for lane, root, tree, sampler, position in zip(lanes, roots, trees, samplers, positions)]
     parts = [lane._fast_rows(root, tree) for lane, root, tree in zip(lanes, roots, trees)]
@@ -50,11 +63,13 @@ def verify_batch(lanes: Sequence[Target], roots: Sequence[int], trees: Sequence[
     np.cumsum([len(tokens) for tokens, *_ in parts], out=bounds[1:])
     path_offsets = np.cumsum([0] + [len(paths) for *_, paths in parts])
     starts = np.concatenate([[0]] + [part[2][1:] + offset for part, offset in zip(parts, path_offsets)])
+    embeds = [(int(bounds[r]), vectors) for r, (chunked, _) in enumerate(prefills, start=len(lanes))
+              if (vectors := chunked.embeds()) is not None]
     fast = (lanes[0] if lanes else prefills[0][0].lane)._fast
     logits = fast.forward_batch(caches, np.concatenate([part[0] for part in parts]),
-                                np.concatenate([part[1] for part in parts]), bounds, starts.astype(np.int64),
-                                np.concatenate([part[3] for part in parts]))
+                                _positions([part[1] for part in parts]), bounds, starts.astype(np.int64),
+                                np.concatenate([part[3] for part in parts]), embeds)
     for r, (chunked, _) in enumerate(prefills, start=len(lanes)):
-        chunked.absorb(logits[bounds[r]:bounds[r + 1]])
+        chunked.absorb(logits[bounds[r]:bounds[r + 1]], int(bounds[r]))
     return [lane._fast_verified(tree, logits[bounds[r]:bounds[r + 1]], int(bounds[r]), sampler, position)
             for r, (lane, tree, sampler, position) in enumerate(zip(lanes, trees, samplers, positions))]

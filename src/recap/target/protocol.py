@@ -70,6 +70,10 @@ class Target(Protocol):
         """The prompt's prefill as chunks a batch runs inside its steps
         (`recap.target.kernels.prefix.ChunkedPrefill`); None: ``prefill`` runs it whole."""
 
+    def encode_images(self, inputs: Any) -> Any:
+        """The inputs with any image already through the vision tower (a server calls this
+        while preparing a request, off the decoding thread); unchanged where nothing is gained."""
+
 
 class BaseTarget:
     """Defaults for the optional part of `Target`: no context limit, no sliding window, no
@@ -97,6 +101,9 @@ class BaseTarget:
 
     def prefill_chunks(self, inputs: Any) -> Any | None:
         return None
+
+    def encode_images(self, inputs: Any) -> Any:
+        return inputs
 
     def _refuse_sampler(self, sampler: Sampler | None) -> None:
         """For greedy-only targets: a sampler is an error, not silently ignored."""

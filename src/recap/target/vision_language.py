@@ -53,18 +53,16 @@ class QwenVLTarget(_VisionLanguageTarget):
         names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
         return [int(getattr(config, n)) for n in names if getattr(config, n, None) is not None]
 
-    def _prefill_positions(self, inputs: ModelInputs) -> torch.Tensor:
+    def _prompt_positions(self, inputs: ModelInputs) -> tuple[torch.Tensor, int]:
         extra = inputs.extra
         if inputs.positions is not None:  # (3, 1, P) M-RoPE positions from generate()
-            self.position_offset = int(inputs.positions.max()) + 1 - inputs.input_ids.shape[1]
-            return inputs.positions.to(self.device)
+            return inputs.positions.to(self.device), int(inputs.positions.max()) + 1 - inputs.input_ids.shape[1]
         if extra.get("image_grid_thw") is None:
-            return super()._prefill_positions(inputs)
+            return super()._prompt_positions(inputs)
         positions, deltas = self.model.model.get_rope_index(
             inputs.input_ids, mm_token_type_ids=extra["mm_token_type_ids"], image_grid_thw=extra["image_grid_thw"],
             attention_mask=extra.get("attention_mask"))
-        self.position_offset = int(deltas.reshape(-1)[0])
-        return positions.to(self.device)
+        return positions.to(self.device), int(deltas.reshape(-1)[0])
 
 
 class LlavaTarget(_VisionLanguageTarget):

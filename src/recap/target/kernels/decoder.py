@@ -3,8 +3,8 @@ cached prefix, on the model's own weights, every row bit-identical to a plain on
 
 gpt-fast's shape: each block is a short composition (norm, qkv, rope, cache write, attend,
 out; norm, gate/up, down), over preallocated buffers of shape (Mp, width) where Mp is the
-step's row count padded for the linear kernel. Prefill stays on transformers; its K/V are
-copied into a `KVCache` once per request.
+step's row count padded for the linear kernel. Prompts are prefilled by the same step, as
+chains (`recap.target.kernels.prefix`); an image's features come in as input vectors.
 """
 
 from __future__ import annotations
@@ -93,6 +93,7 @@ class FastDecoder:
         self.eps = float(getattr(decoder.norm, "variance_epsilon", args.eps))
         self.scale = float(getattr(decoder.layers[0].self_attn, "scaling", args.head_dim ** -0.5))
         self._cos = self._sin = np.zeros((0, args.head_dim), np.float32)
+        self._mrope_axis = self._mrope_axes(args.head_dim)
         self._buffers = _Buffers(args, padded_rows(max(warm_rows)))
         self._warm(warm_rows)
 
@@ -109,6 +110,29 @@ class FastDecoder:
             cos, sin = cos[0], sin[0]
         self._cos = np.ascontiguousarray(cos[0].float().numpy())
         self._sin = np.ascontiguousarray(sin[0].float().numpy())
+
+    def _mrope_axes(self, dim: int) -> np.ndarray | None:
+        """M-RoPE (Qwen2-VL / Qwen2.5-VL): which of a row's three coordinates (time, height,
+        width) each rotary dimension turns by, as the model's rotary module recomposes them
+        (``mrope_section`` over each half); None for plain RoPE."""
+        section = getattr(self._rotary, "mrope_section", None)
+        if not section:
+            return None
+        half = np.concatenate([np.full(width, i % 3, np.int64) for i, width in enumerate(section)])
+        if len(half) != dim // 2:
+            return None
+        return np.concatenate([half, half])
+
+    def _angles(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's cos/sin (M, D), gathered from the position tables: ``positions`` (M,), or
+        (M, 3) M-RoPE coordinates (an image row's differ; a text row's are equal)."""
+        self._rope_tables(int(positions.max()) + 1)
+        if positions.ndim == 1:
+            return self._cos[positions], self._sin[positions]
+        if self._mrope_axis is None:
+            raise ValueError("3-D positions for a model without M-RoPE")
+        rows, columns = positions[:, self._mrope_axis], np.arange(self.args.head_dim)
+        return self._cos[rows, columns], self._sin[rows, columns]
 
     def _warm(self, rows: tuple[int, ...]) -> None:
         """Compile (or load from numba's cache) and run every kernel once, outside any timed step.
@@ -139,15 +163,19 @@ class FastDecoder:
             out[: len(tokens)] = (rows.astype(np.uint32) << 16).view(np.float32)
 
     def forward(self, cache: KVCache, tokens: np.ndarray, positions: np.ndarray, starts: np.ndarray,
-                paths: np.ndarray) -> np.ndarray:
-        """Logits (M, V) of ``tokens`` (M,) at RoPE ``positions`` (M,); packed node i attends to
-        the cache's prefix and to ``paths[starts[i]:starts[i+1]]`` (packed indices, root first,
-        itself last). Their K/V are written at slots cache.length + i; `KVCache.commit` keeps
-        the accepted ones. The returned array is a view into a reused buffer."""
-        return self.forward_batch([cache], tokens, positions, np.array([0, len(tokens)], np.int64), starts, paths)
+                paths: np.ndarray, embeds: Sequence[tuple[int, np.ndarray]] = ()) -> np.ndarray:
+        """Logits (M, V) of ``tokens`` (M,) at RoPE ``positions`` (M,) or M-RoPE (M, 3); packed
+        node i attends to the cache's prefix and to ``paths[starts[i]:starts[i+1]]`` (packed
+        indices, root first, itself last). Their K/V are written at slots cache.length + i;
+        `KVCache.commit` keeps the accepted ones. ``embeds``: (first row, (n, hidden) float32)
+        input vectors that replace those rows' token embeddings (an image's features). The
+        returned array is a view into a reused buffer."""
+        return self.forward_batch([cache], tokens, positions, np.array([0, len(tokens)], np.int64), starts, paths,
+                                  embeds)
 
     def forward_batch(self, caches: Sequence[KVCache], tokens: np.ndarray, positions: np.ndarray,
-                      bounds: np.ndarray, starts: np.ndarray, paths: np.ndarray) -> np.ndarray:
+                      bounds: np.ndarray, starts: np.ndarray, paths: np.ndarray,
+                      embeds: Sequence[tuple[int, np.ndarray]] = ()) -> np.ndarray:
         """One step over the packed trees of B requests: request r owns rows
         ``bounds[r]:bounds[r+1]`` (bounds: (B+1,)) and ``caches[r]``; row a attends to its own
         cache's prefix and to ``paths[starts[a]:starts[a+1]]``, indices local to its request
@@ -158,20 +186,22 @@ class FastDecoder:
         rows = padded_rows(m)
         if rows > self._buffers.rows:
             self._buffers = _Buffers(self.args, rows)
-        self._rope_tables(int(positions.max()) + 1)
+        cos, sin = self._angles(positions)
         numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
         spans = [(int(bounds[r]), int(bounds[r + 1]), cache) for r, cache in enumerate(caches)]
         for begin, end, cache in spans:
             cache.reserve(end - begin)
         b, args, eps = self._buffers, self.args, self.eps
         self._embed(tokens, b.h)
+        for first, vectors in embeds:
+            b.h[first:first + len(vectors)] = vectors
         for index, layer in enumerate(self.layers):
             ops.rms_norm(b.h, layer.input_norm, eps, b.x, m)
             layer.q(b.x, b.q, rows)
             layer.k(b.x, b.k, rows)
             layer.v(b.x, b.v, rows)
-            ops.rope(b.q, args.heads, self._cos, self._sin, positions, m)
-            ops.rope(b.k, args.kv_heads, self._cos, self._sin, positions, m)
+            ops.rope(b.q, args.heads, cos, sin, m)
+            ops.rope(b.k, args.kv_heads, cos, sin, m)
             for begin, end, cache in spans:
                 keys, values, count = cache.keys[index], cache.values[index], end - begin
                 ops.write_cache(b.k[begin:end], keys, cache.length, args.kv_heads, count)
@@ -190,13 +220,16 @@ class FastDecoder:
         self.head(b.x, b.logits, rows)
         return b.logits[:m]
 
-    def root_image_attention(self, cache: KVCache, image_positions: np.ndarray, row: int = 0) -> float:
+    def root_image_attention(self, cache: KVCache, image_positions: np.ndarray, row: int = 0,
+                             keys: int | None = None) -> float:
         """SAM+ViSkip's gate after a step: the final layer's softmax attention of the request's
-        root (packed ``row`` of the step, which sees the prefix and itself), averaged over
-        heads, summed over the image positions (float32 scores, as the stock capture computes them)."""
+        root (packed ``row`` of the step, which sees the prefix and itself: ``keys`` cached
+        rows, by default the prefix + 1), averaged over heads, summed over the image positions
+        (float32 scores, as the stock capture computes them)."""
         args = self.args
+        keys = cache.length + 1 if keys is None else keys
         q = torch.from_numpy(self._buffers.q[row].reshape(args.heads, args.head_dim))  # final layer's, after RoPE
-        keys = torch.from_numpy(cache.keys[-1][:, : cache.length + 1])             # (H_kv, past + 1, D)
+        keys = torch.from_numpy(cache.keys[-1][:, :keys])                          # (H_kv, keys, D)
         keys = keys.repeat_interleave(args.heads // args.kv_heads, dim=0)
         probs = torch.softmax(torch.einsum("hd,hsd->hs", q, keys) * self.scale, dim=-1)
         return float(probs[:, torch.from_numpy(image_positions)].sum(dim=-1).mean())

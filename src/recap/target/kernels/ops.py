@@ -42,14 +42,14 @@ def rms_norm(x, weight, eps, out, rows):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def rope(x, heads, cos, sin, positions, rows):  # pragma: no cover - compiled
+def rope(x, heads, cos, sin, rows):  # pragma: no cover - compiled
     """Rotary embedding in place, Hugging Face's rotate-half layout: x[i] viewed as
-    (heads, D); cos, sin: (P, D) tables; positions: (M,) int64."""
+    (heads, D); cos, sin: (M, D), row i's angles (gathered from the position tables)."""
     dim = cos.shape[1]
     half = dim // 2
     for i in range(rows):
-        c = cos[positions[i]]
-        s = sin[positions[i]]
+        c = cos[i]
+        s = sin[i]
         for h in range(heads):
             base = h * dim
             for d in range(half):

@@ -22,7 +22,7 @@ from recap.target.kernels.cache import KVCache
 
 if TYPE_CHECKING:
     from recap.core import PromptRows
-    from recap.target.base import TargetModel
+    from recap.target.base import LanguageInputs, TargetModel
     from recap.target.sampling import Sampler
 
 PREFILL_CHUNK = 64
@@ -120,13 +120,18 @@ class ChunkedPrefill:
     and every chunk publishes the rows computed so far: requests admitted together (a burst of
     clients with one system prompt) then compute the shared prefix once, not once each."""
 
-    def __init__(self, lane: TargetModel, prompt: np.ndarray):
-        self.lane, self.prompt = lane, prompt
-        lane.position_offset = 0
-        lane._image_positions = None
+    def __init__(self, lane: TargetModel, prompt: np.ndarray, language: LanguageInputs | None = None):
+        self.lane, self.prompt, self.language = lane, prompt, language
+        lane.position_offset = 0 if language is None else language.rope_offset
+        lane._image_positions = None if language is None or lane._image_token is None else \
+            torch.from_numpy(np.flatnonzero(prompt == lane._image_token))
+        self._image_attention: float | None = None
         lane._packed = 0
         lane._kv = lane._fast.new_cache(len(prompt) + 256)
         lane.past_len = 0
+        self._shareable = len(prompt) if language is None else language.first_image_row
+        """Rows another prompt with the same tokens has too (an image's rows are not: its
+        placeholder tokens are the same for every image)."""
         self._looked_up = False
         self._ids: list[np.ndarray] = []
         self._logits: list[np.ndarray] = []
@@ -141,7 +146,8 @@ class ChunkedPrefill:
             return
         self._looked_up = True
         lane = self.lane
-        reused, entry = lane.prefix_cache.lookup(self.prompt, len(self.prompt) - 1, lane.prefix_scope)
+        reused, entry = lane.prefix_cache.lookup(self.prompt, min(len(self.prompt) - 1, self._shareable),
+                                                 lane.prefix_scope)
         if reused:
             lane._kv.load(entry.keys[:, :, :reused], entry.values[:, :, :reused], reused)
             self._ids.append(entry.topk_ids[:reused])
@@ -159,29 +165,48 @@ class ChunkedPrefill:
         return len(self.prompt) - self.lane.past_len
 
     def rows(self, budget: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """The next chunk, at most ``budget`` rows: tokens, RoPE positions, CSR ancestor lists."""
+        """The next chunk, at most ``budget`` rows: tokens, RoPE positions ((n,), or (n, 3)
+        M-RoPE coordinates), CSR ancestor lists. `embeds` gives its input vectors."""
         self._reuse()
         done = self.lane.past_len
         tokens = self.prompt[done:done + max(1, budget)]
         self._chunk = len(tokens)
         starts, paths = chain(len(tokens))
-        return tokens, np.arange(done, done + len(tokens), dtype=np.int64), starts, paths
+        positions = np.arange(done, done + len(tokens), dtype=np.int64) if self.language is None else \
+            self.language.positions[done:done + len(tokens)]
+        return tokens, positions, starts, paths
 
-    def absorb(self, logits: np.ndarray) -> None:
-        """Take the chunk's logits (n, V): keep its K/V, its Top-K rows, and at the end the
-        last row's logits. The rows so far go into the prefix cache (a longer entry of the same
-        prompt replaces a shorter one)."""
+    def embeds(self) -> np.ndarray | None:
+        """The current chunk's input vectors (n, hidden) for an image prompt; None: its
+        tokens' embeddings."""
+        if self.language is None:
+            return None
+        done = self.lane.past_len
+        return self.language.embeds[done:done + self._chunk]
+
+    def absorb(self, logits: np.ndarray, first_row: int = 0) -> None:
+        """Take the chunk's logits (n, V), rows ``first_row``.. of the step: keep its K/V, its
+        Top-K rows, and at the end the last row's logits (and, with SAM+ViSkip's capture on,
+        its attention on the image). The rows so far go into the prefix cache (a longer entry
+        of the same prompt replaces a shorter one)."""
         lane, kv = self.lane, self.lane._kv
         kv.commit(range(self._chunk))
         lane.past_len = kv.length
+        capture = lane._capture
+        if self.finished and capture is not None and capture.enabled and lane._image_positions is not None:
+            self._image_attention = lane._fast.root_image_attention(
+                kv, lane._image_positions.numpy(), first_row + self._chunk - 1, keys=kv.length)
         top_ids, top_logits, argmax = lane._top_rows(torch.from_numpy(logits))
         self._ids.append(top_ids)
         self._logits.append(top_logits)
         self._last, self._greedy = torch.from_numpy(logits[-1].copy()), int(argmax[-1])
         self._ids, self._logits = [np.concatenate(self._ids)], [np.concatenate(self._logits)]
-        lane.prefix_cache.store(self.prompt[:lane.past_len], kv, self._ids[0], self._logits[0], lane.prefix_scope)
+        shared = min(lane.past_len, self._shareable)
+        if lane.past_len - self._chunk < self._shareable:  # this chunk added shareable rows
+            lane.prefix_cache.store(self.prompt[:shared], kv, self._ids[0][:shared], self._logits[0][:shared],
+                                    lane.prefix_scope)
 
     def result(self, sampler: Sampler | None = None) -> tuple[PromptRows, int]:
         """What ``prefill`` returns: the prompt's rows and the first token."""
         first = self._greedy if sampler is None else sampler.token(self._last, 0)
-        return self.lane.prompt_rows(self.prompt, self._ids[0], self._logits[0]), first
+        return self.lane.prompt_rows(self.prompt, self._ids[0], self._logits[0], self._image_attention), first
