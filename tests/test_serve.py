@@ -477,3 +477,25 @@ def test_sampled_answers_follow_the_seed_like_plain_sampling():
                                                    messages=[{"role": "user", "content": "Once upon a time"}])
             assert reply.choices[0].message.content == expected
         assert_drafted(reply, min_accepted=4)  # the second drew the same tokens, drafted from the first
+
+
+def test_the_default_batch_is_read_off_the_cost_profile():
+    """`--max-batch` by default: the most requests whose one-row-each step costs at most twice a
+    one-token step on this machine's profile; one at a time where lanes cannot share a forward."""
+    from recap.core import CostProfile
+    from recap.serve.engine import default_max_batch
+
+    class Lanes:
+        batches = True
+
+        def __init__(self, profile):
+            self.profile = profile
+
+        def verify_cost(self):
+            return self.profile
+
+    assert default_max_batch(Lanes(CostProfile.linear(0.06))) == 17  # 1 + 0.06 (B - 1) <= 2
+    assert default_max_batch(Lanes(CostProfile.linear(0.5))) == 3
+    assert default_max_batch(Lanes(CostProfile.linear(5.0))) == 2  # batching still pays a little
+    assert default_max_batch(Lanes(CostProfile.flat())) == 64
+    assert default_max_batch(load_target("tiny-llama", kernels="stock")) == 1

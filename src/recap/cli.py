@@ -544,8 +544,9 @@ def _add_serve(commands) -> None:
     serve.add_argument("--max-queue", type=_positive, default=64,
                        help="requests admitted and not yet decoding before answering 429")
     serve.add_argument("--max-batch", type=_positive, default=None,
-                       help="requests decoded together, one forward per step (default: 8 on the fast kernels, "
-                            "1 on stock)")
+                       help="requests decoded together, one forward per step (default: on the fast kernels, "
+                            "the most whose one-row-each step costs at most 2x a one-token step on this "
+                            "machine's cost profile; 1 on stock)")
     serve.add_argument("--batch-budget", choices=["shared", "each"], default="shared",
                        help="shared: cost-aware drafters share each step's verification budget by expected gain; "
                             "each: every request sizes its own tree as it would alone")

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from recap.batching import DEFAULT_MAX_BATCH, Batch, BatchEvent
 from recap.decoding import Decoding
 from recap.serve.tenants import TenantStreams
@@ -139,10 +141,24 @@ class _Active:
     detokenizer: IncrementalDetokenizer
 
 
+STEP_SLOWDOWN = 2.0
+"""The default batch is as large as this machine's step allows while a step of one row per
+request costs at most this many one-token steps: each request's step time at most doubles."""
+
+
 def default_max_batch(target: Target) -> int:
-    """Requests stepped together by default: `recap.batching.DEFAULT_MAX_BATCH` where the
-    target's lanes share one forward (the fast kernels), else 1 (one request at a time)."""
-    return DEFAULT_MAX_BATCH if target.batches else 1
+    """Requests stepped together by default, read off this machine's verify-cost profile:
+    the most requests B (2 to 64) whose one-row-each step costs at most `STEP_SLOWDOWN` x a
+    one-token step, t(B) <= 2 t(1). 1 where lanes do not share a forward (the stock
+    kernels); `recap.batching.DEFAULT_MAX_BATCH` where there is no profile."""
+    if not target.batches:
+        return 1
+    profile = target.verify_cost()
+    if profile is None:
+        return DEFAULT_MAX_BATCH
+    times = profile.predict(np.arange(1, 65), float(np.min(profile.contexts)))  # t(1)..t(64), shortest context
+    fits = np.flatnonzero(times <= STEP_SLOWDOWN * times[0])
+    return int(min(64, max(2, fits[-1] + 1)))
 
 
 class Engine:
