@@ -582,3 +582,27 @@ def test_a_request_after_shutdown_began_is_answered_503_not_429():
         response = _post(url, {"model": "tiny-llama", "messages": HI, "max_tokens": 2})
         error = _error(response, 503)
         assert error["code"] == "shutting_down" and "retry-after" not in response.headers
+
+
+def test_fields_that_would_change_the_answer_are_refused_not_ignored():
+    """`stop`, penalties, logprobs, tools, a JSON response format...: a server that ignored them
+    would hand back an answer the client reads as if they had been applied. Their neutral
+    values, and fields that change nothing (``user``, ``metadata``), pass."""
+    from recap.serve.chat import ApiError, parse_chat_request
+
+    base = {"model": "m", "messages": HI}
+    for field, value in (("stop", ["\n"]), ("stop", "END"), ("presence_penalty", 0.5), ("frequency_penalty", 1),
+                         ("logprobs", True), ("top_logprobs", 2), ("logit_bias", {"42": 5}),
+                         ("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"}),
+                         ("presence_penalty", False)):
+        with pytest.raises(ApiError) as refused:
+            parse_chat_request({**base, field: value})
+        assert refused.value.status == 400 and refused.value.code == "unsupported_parameter"
+        assert field in refused.value.message
+    for field, value in (("stop", None), ("stop", []), ("presence_penalty", 0), ("frequency_penalty", 0.0),
+                         ("logprobs", False), ("tools", []), ("response_format", {"type": "text"}),
+                         ("user", "alice"), ("metadata", {"a": "b"}), ("store", False)):
+        assert parse_chat_request({**base, field: value}).messages
+    with serving("tiny-llama") as (url, _):
+        error = _error(_post(url, {"model": "tiny-llama", "messages": HI, "stop": ["."]}), 400)
+        assert error["code"] == "unsupported_parameter"

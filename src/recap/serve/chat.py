@@ -199,6 +199,37 @@ def _sampling(body: dict) -> Sampling | None:
         raise ApiError(400, str(error), code="invalid_sampling") from None
 
 
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "stop": (None, [], ""),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "response_format": (None, {"type": "text"}),
+    "prediction": (None,),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+}
+"""Fields that would change the answer, with the values that change nothing: any other value
+is refused (400 ``unsupported_parameter``) rather than silently ignored, so a client never
+reads an answer as if its stop strings, penalties or tools had been applied. Fields that
+change nothing here (``user``, ``metadata``, ``store``, ...) are accepted and ignored."""
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for name, neutral in UNSUPPORTED_FIELDS.items():
+        value = body.get(name)
+        if not any(type(value) is type(ok) and value == ok for ok in neutral) and \
+                not (value is None and None in neutral):
+            raise ApiError(400, f"'{name}' is not supported by this server (it would change the answer)",
+                           code="unsupported_parameter")
+
+
 def parse_chat_request(body: Any) -> ChatRequest:
     """Check an OpenAI chat-completions body's shape and fields; raise `ApiError` (400) with the
     reason. The image, if any, is only located here (`ChatRequest.image_url`), not read."""
@@ -210,6 +241,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", code="invalid_messages")
+    _refuse_unsupported(body)
     sampling = _sampling(body)
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
