@@ -567,6 +567,15 @@ def _add_serve(commands) -> None:
     serve.add_argument("--allow-local-images", default=None, metavar="DIR",
                        help="accept image_url parts that are paths of files under DIR (symlinks and '..' resolved; "
                             "default: base64 data: URLs only)")
+    serve.add_argument("--replicas", type=_positive, default=None, metavar="N",
+                       help="decode on N replicas on Ray (a private local instance on 127.0.0.1 unless "
+                            "--ray-address); tenants share --memory-dir through file locks; needs "
+                            "recap-decoding[ray]")
+    serve.add_argument("--ray-address", default=None, metavar="ADDR",
+                       help="start the replicas on the running Ray cluster at ADDR (e.g. 10.0.0.1:6379 or auto); "
+                            "default replicas: 1")
+    serve.add_argument("--replica-cpus", type=float, default=None, metavar="N",
+                       help="CPUs each replica asks Ray for (default: --threads, else 1)")
     _cost_option(serve)
 
 
@@ -611,15 +620,43 @@ def _serve(args: argparse.Namespace) -> int:
                           request_timeout=float(args.request_timeout), max_body_bytes=args.max_body_bytes,
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
                           allow_local_images=args.allow_local_images)
-    app = create_app(target, config)
-    print(f"serving {name} with {args.method} on http://{args.host}:{args.port} ({torch.get_num_threads()} "
-          f"thread(s); {'tenants from ' + args.api_keys if keys else 'one tenant, no keys'})", flush=True)
+    make_engine, where = None, f"{torch.get_num_threads()} thread(s)"
+    if args.replicas is not None or args.ray_address is not None:
+        make_engine = _scaled_engine(args)
+        where = f"{args.replicas or 1} replica(s) on Ray"
+    app = create_app(target, config, make_engine)
+    print(f"serving {name} with {args.method} on http://{args.host}:{args.port} ({where}; "
+          f"{'tenants from ' + args.api_keys if keys else 'one tenant, no keys'})", flush=True)
     # uvicorn shuts down gracefully on SIGTERM (the request in flight finishes, memories are saved), then
     # raises the signal again for the previous handler: a no-op one here, so the exit status is 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
                 http=header_deadline_protocol(args.header_timeout), limit_concurrency=args.max_connections)
     return 0
+
+
+def _scaled_engine(args: argparse.Namespace):
+    """``--replicas`` / ``--ray-address``: start the replicas (the only place Ray is imported)."""
+    try:
+        from recap.serve.scale import ReplicaSpec, scaled_engine_factory
+    except ImportError as error:
+        raise InputError(f"--replicas and --ray-address need Ray ({error.msg}): pip install "
+                         "'recap-decoding[ray]'") from None
+    if args.replica_cpus is not None and not args.replica_cpus > 0:
+        raise InputError(f"--replica-cpus must be positive, got {args.replica_cpus}")
+
+    def absolute(path: str | None) -> str | None:  # replicas do not share this process's folder
+        return os.path.abspath(path) if path is not None and os.path.exists(path) else path
+
+    model = args.model if args.model in BUILTIN else absolute(args.model)
+    profile = args.cost_profile if args.cost_profile in ("auto", "flat") else absolute(args.cost_profile)
+    memory = os.path.abspath(args.memory_dir) if args.memory_dir is not None else None
+    spec = ReplicaSpec(model=model, dtype=args.dtype, kernels=args.kernels, cost_profile=profile,
+                       threads=args.threads, method=args.method, memory_dir=memory, memory_rows=args.memory_rows,
+                       max_queue=args.max_queue, max_batch=args.max_batch,
+                       shared_budget=args.batch_budget == "shared")
+    return scaled_engine_factory(spec, args.replicas or 1, address=args.ray_address,
+                                 cpus_per_replica=args.replica_cpus or args.threads or 1)
 
 
 def _demo_vlm_data(args: argparse.Namespace) -> int:

@@ -91,13 +91,15 @@ class AdjacencyMatrix:
         """Rows that differ from an unwritten row."""
         return int(np.count_nonzero((self.table != self.fill).any(axis=1)))
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
         """The rows that differ from an unwritten row, with their tokens (safetensors, written
-        through a temporary file so an interrupted save leaves no half file)."""
+        through a temporary file so an interrupted save leaves no half file); ``metadata``:
+        extra string fields stored with the file's own."""
         from safetensors.numpy import save_file
 
         tokens = np.flatnonzero((self.table != self.fill).any(axis=1)).astype(np.int64)
-        metadata = {"format": FORMAT, "vocab_size": str(self.vocab_size), "k": str(self.k), "fill": str(self.fill)}
+        own = {"format": FORMAT, "vocab_size": str(self.vocab_size), "k": str(self.k), "fill": str(self.fill)}
+        metadata = {**{str(k): str(v) for k, v in (metadata or {}).items()}, **own}
         temporary = temporary_path(path)
         try:
             save_file({"tokens": tokens, "rows": np.ascontiguousarray(self.table[tokens])}, temporary,

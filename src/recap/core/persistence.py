@@ -89,10 +89,13 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[str]:
 def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray, probs: np.ndarray, *,
                       vocab_size: int, store: np.ndarray | None = None,
                       calibration: tuple[np.ndarray, np.ndarray] | None = None,
-                      last_seen: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+                      last_seen: tuple[np.ndarray, np.ndarray] | None = None,
+                      metadata: dict[str, str] | None = None) -> None:
     """Write U (keys [n], ids [n, K], probs [n, K]), the output store (flat, -1 after each
     output), the calibration counts (trials, accepts) and the recency of tokens (tokens,
-    requests: the bounded memory's eviction order) atomically and durably."""
+    requests: the bounded memory's eviction order) atomically and durably. ``metadata``:
+    extra string fields stored with the file's own (which it cannot replace); the scaled
+    server keeps a tenant's save version and request count there."""
     from safetensors.numpy import save_file
 
     trials, accepts = calibration if calibration is not None else (np.zeros(0), np.zeros(0))
@@ -107,9 +110,10 @@ def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray
         "seen_tokens": np.ascontiguousarray(seen_tokens, dtype=np.int64),
         "seen_requests": np.ascontiguousarray(seen_requests, dtype=np.int64),
     }
-    metadata = {"format": FORMAT, "version": VERSION, "vocab_size": str(vocab_size),
-                "top_k": str(tensors["ids"].shape[1]),
-                "sha256": _checksum(*(tensors[name] for name in ("keys", "ids", "probs", *_TENSORS[VERSION])))}
+    own = {"format": FORMAT, "version": VERSION, "vocab_size": str(vocab_size),
+           "top_k": str(tensors["ids"].shape[1]),
+           "sha256": _checksum(*(tensors[name] for name in ("keys", "ids", "probs", *_TENSORS[VERSION])))}
+    metadata = {**{str(k): str(v) for k, v in (metadata or {}).items()}, **own}
     path = os.fspath(path)
     temporary = temporary_path(path)
     try:

@@ -509,11 +509,11 @@ class RecapProposer(BaseProposer):
             write(self.memory)
 
     # ------------------------------------------------------------------ persistence
-    def save_memory(self, path: str | PathLike) -> None:
+    def save_memory(self, path: str | PathLike, metadata: dict[str, str] | None = None) -> None:
         """Write the stream's persistent state to ``path``: U, the output store, the
         calibration counts and each token's last request (the memory bound's eviction order,
         so a restart keeps evicting the least recently seen); see `recap.core.persistence`
-        (atomic, durable)."""
+        (atomic, durable). ``metadata``: extra string fields stored with the file."""
         from recap.core.persistence import save_token_memory
 
         if self.vocab_size is None or self.memory is None:
@@ -522,7 +522,7 @@ class RecapProposer(BaseProposer):
         seen = np.fromiter(self._last_seen.items(), dtype=np.dtype((np.int64, 2)), count=len(self._last_seen))
         save_token_memory(path, *self.memory.unigram_arrays(), vocab_size=self.vocab_size,
                           store=np.asarray(self.store.flat(), dtype=np.int64), calibration=calibration,
-                          last_seen=(seen[:, 0], seen[:, 1]))
+                          last_seen=(seen[:, 0], seen[:, 1]), metadata=metadata)
 
     def load_memory(self, path: str | PathLike) -> None:
         """Read and check a memory file now: every error (damage, rows wider than ``top_k``,

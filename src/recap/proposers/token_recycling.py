@@ -89,11 +89,12 @@ class TokenRecyclingProposer(RecyclingProposer):
 
     stream_state = True
 
-    def save_memory(self, path: str | PathLike) -> None:
-        """The matrix's written rows, as a safetensors file (what `recap bench` checkpoints)."""
+    def save_memory(self, path: str | PathLike, metadata: dict[str, str] | None = None) -> None:
+        """The matrix's written rows, as a safetensors file (what `recap bench` checkpoints);
+        ``metadata``: extra string fields stored with it."""
         if self.matrix is None:
             raise InputError("nothing to save: the stream has not seen a request yet")
-        self.matrix.save(path)
+        self.matrix.save(path, metadata=metadata)
 
     def load_memory(self, path: str | PathLike) -> None:
         """Continue the stream saved by `save_memory` (the vocabulary must match the target's)."""

@@ -3,6 +3,9 @@
 `chat` parses requests and shapes responses, `tenants` maps keys to tenants and their
 memories, `engine` decodes one request at a time from a FIFO queue, `app` is the FastAPI
 application, `metrics` its Prometheus counters; ``playground.html`` is the page at ``/``.
+``recap serve --replicas``: `scale` (the only module that imports Ray) runs `engine`s as Ray
+replicas behind the same app, `router` picks a tenant's replica, `shared` keeps the memory
+folder right across processes (file locks and versions).
 """
 
 from recap.serve.app import ServerConfig, create_app

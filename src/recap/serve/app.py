@@ -17,10 +17,12 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
@@ -234,9 +236,13 @@ def _json_content_type(request: Request) -> bool:
 
 
 # ----------------------------------------------------------------------------- the app
-def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
+def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[..., Any] | None = None) -> FastAPI:
+    """The server's app. ``make_engine(on_finish=...)``: the decoder instead of a local `Engine`
+    (``recap serve --replicas``: `recap.serve.scale.ScaledEngine`, which keeps the memories
+    itself); the target then only prepares requests (templates, images, tokens)."""
     images = _checked(config)
-    tenants = TenantStreams(config.method, target.vocab_size, config.memory_dir, config.memory_rows)
+    tenants = TenantStreams(config.method, target.vocab_size, config.memory_dir, config.memory_rows) \
+        if make_engine is None else None
     metrics = Metrics(lambda: engine.depth)  # read at scrape time, once the engine exists
     secrets = _server_paths(target, config, images)
 
@@ -258,8 +264,11 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
         else:
             metrics.requests.labels(str(event.get("status", 500))).inc()
 
-    engine = Engine(target, tenants, max_queue=config.max_queue, max_batch=config.max_batch,
-                    shared_budget=config.shared_budget, on_finish=on_finish)
+    if make_engine is None:
+        engine = Engine(target, tenants, max_queue=config.max_queue, max_batch=config.max_batch,
+                        shared_budget=config.shared_budget, on_finish=on_finish)
+    else:
+        engine = make_engine(on_finish=on_finish)
     admission = Admission(engine, config.max_queue)
     preparing = asyncio.Semaphore(1)  # one JSON parse / image decode / tokenisation at a time: memory is bounded
 
@@ -311,7 +320,8 @@ def create_app(target: TargetModel, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": config.model_name, "method": config.method, "queue": engine.depth,
-                "busy": engine.busy, "running": len(engine.batch.running), "max_batch": engine.batch.max_batch}
+                "busy": engine.busy, "running": len(engine.batch.running), "max_batch": engine.batch.max_batch,
+                **(engine.health() if hasattr(engine, "health") else {})}
 
     @app.get("/metrics")
     async def prometheus():

@@ -351,7 +351,7 @@ class Engine:
         if not self._in_flight[job.tenant]:
             del self._in_flight[job.tenant]
         try:  # before answering: an answered request's memory is on disk
-            self.tenants.save(job.tenant)
+            self.tenants.save_request(job.tenant)
         except Exception:  # noqa: BLE001
             log.exception("tenant %s: saving its memory failed", job.tenant)
         finally:

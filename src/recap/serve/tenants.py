@@ -151,6 +151,11 @@ class TenantStreams:
             lock.release()
         return True
 
+    def save_request(self, tenant: str) -> bool:
+        """`save` after one of the tenant's requests left the decoder (with its lock held);
+        `recap.serve.shared.SharedTenantStreams` also counts the request and versions the file."""
+        return self.save(tenant)
+
     def save_all(self, timeout: float | None = None) -> None:
         """`save` every tenant (``timeout`` for each)."""
         for tenant in list(self.streams):

@@ -1,0 +1,183 @@
+"""`recap.serve.shared`: tenant memories shared by processes through file locks and versions
+(no Ray: the replicas here are forked processes running the replica's own request path,
+`locked_events` over an `Engine`, on the tiny model).
+
+The negative control runs the same requests without the lock and must lose updates: the
+test can tell a broken protocol from a working one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import queue
+import threading
+import time
+
+import pytest
+
+from recap.serve.engine import Engine, Job
+from recap.serve.shared import (
+    REQUESTS_KEY,
+    VERSION_KEY,
+    SharedTenantStreams,
+    TenantBusy,
+    file_version,
+    locked_events,
+    memory_metadata,
+    remove_old_temporaries,
+)
+from tests.conftest import load_target
+
+PROMPTS = ["Count to five.", "Name a colour.", "Say hello.", "What is two plus two?"]
+
+
+def _request(engine: Engine, tenants: SharedTenantStreams, tenant: str, prompt: str, pause: float = 0.0) -> dict:
+    """One request through the replica's path; ``pause``: seconds between taking the lock and
+    queueing (widens the window in which another process could interleave)."""
+    target = engine.target
+    job = Job(tenant=tenant, inputs=target.prepare(prompt, None), max_tokens=6, emit=lambda event: None)
+    if pause:
+        original = tenants._refresh
+
+        def slow_refresh(name: str) -> None:
+            original(name)
+            time.sleep(pause)
+
+        tenants._refresh = slow_refresh
+    try:
+        events = list(locked_events(engine, tenants, job))
+    finally:
+        tenants.__dict__.pop("_refresh", None)
+    assert events[-1]["type"] == "done", events[-1]
+    return events[-1]
+
+
+REQUESTS = 3
+"""Requests of the one shared tenant per process and phase."""
+
+
+def _replica(folder: str, start, results) -> None:
+    """A spawned 'replica': its own model, streams and engines on the shared folder; first
+    with the lock (tenant ``locked``), then, as the negative control, without (``unlocked``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    target = load_target("tiny-llama")
+    out = {}
+    for phase, use_lock in (("locked", True), ("unlocked", False)):
+        tenants = SharedTenantStreams("recap", target.vocab_size, folder, 4096, use_lock=use_lock)
+        engine = Engine(target, tenants, max_batch=1)
+        _request(engine, tenants, f"warm-up-{phase}", PROMPTS[0])  # compiled kernels before the race starts
+        start.wait(120)
+        texts = [_request(engine, tenants, phase, PROMPTS[i % len(PROMPTS)], pause=0.3)["text"]
+                 for i in range(REQUESTS)]
+        engine.shutdown(10)
+        out[phase] = (tenants.reloads, texts)
+    results.put(out)
+
+
+@pytest.fixture(scope="module")
+def two_replicas(tmp_path_factory):
+    """Two processes on one folder, both sending one tenant's requests at the same moments."""
+    folder = tmp_path_factory.mktemp("shared")
+    context = multiprocessing.get_context("spawn")  # fork is unsafe once torch's OpenMP runs
+    start, results = context.Barrier(2), context.Queue()
+    children = [context.Process(target=_replica, args=(str(folder), start, results)) for _ in range(2)]
+    for child in children:
+        child.start()
+    out, deadline = [], time.monotonic() + 240
+    try:
+        while len(out) < 2:
+            assert time.monotonic() < deadline, "the replicas did not finish"
+            assert all(c.is_alive() or c.exitcode == 0 for c in children), [c.exitcode for c in children]
+            with contextlib.suppress(queue.Empty):
+                out.append(results.get(timeout=0.5))
+        for child in children:
+            child.join(30)
+            assert child.exitcode == 0
+    finally:
+        for child in children:
+            if child.is_alive():
+                child.kill()
+    return folder, out
+
+
+def test_two_processes_never_lose_a_tenants_update(two_replicas):
+    folder, out = two_replicas
+    metadata = memory_metadata(folder / "locked.safetensors")
+    assert metadata[REQUESTS_KEY] == str(2 * REQUESTS) and file_version(metadata) == 2 * REQUESTS
+    # the two alternated (the lock is handed over while the other waits): each switch is a reload
+    assert sum(o["locked"][0] for o in out) >= 1
+    greedy = {_greedy(p) for p in PROMPTS[:REQUESTS]}
+    assert all(text in greedy for o in out for text in o["locked"][1])
+
+
+def test_without_the_lock_updates_are_lost(two_replicas):
+    """The negative control: the same requests without the lock lose updates."""
+    folder, _ = two_replicas
+    metadata = memory_metadata(folder / "unlocked.safetensors")
+    assert int(metadata[REQUESTS_KEY]) < 2 * REQUESTS  # so the check above can fail
+
+
+def _greedy(prompt: str) -> str:
+    from recap.decoding import decode
+    from recap.proposers import make_proposer
+
+    target = load_target("tiny-llama")
+    result = decode(target, make_proposer("ar"), target.prepare(prompt, None), max_new_tokens=6)
+    return target.tokenizer.decode(result.tokens, skip_special_tokens=True)
+
+
+def test_a_held_tenant_blocks_another_holder_until_saved_and_released(tmp_path):
+    """Two stream sets in one process stand for two replicas (flock locks of two open files
+    conflict within a process too): B waits while A holds, then reloads A's save."""
+    target = load_target("tiny-llama")
+    a = SharedTenantStreams("recap", target.vocab_size, tmp_path, 4096)
+    b = SharedTenantStreams("recap", target.vocab_size, tmp_path, 4096)
+    engine_a, engine_b = Engine(target, a, max_batch=1), Engine(target, b, max_batch=1)
+    try:
+        _request(engine_b, b, "t", PROMPTS[0])  # B has a copy at version 1
+        assert b.versions["t"] == 1 and b.requests["t"] == 1
+        a.hold("t")
+        a.hold("t")  # a second request of the same process shares the hold
+        with pytest.raises(TenantBusy):
+            b.hold("t", deadline=time.monotonic() + 0.2)
+        cancelled = threading.Event()
+        cancelled.set()
+        with pytest.raises(TenantBusy):
+            b.hold("t", cancelled=cancelled)
+        assert a.versions["t"] == 1 and a.requests["t"] == 1  # loaded B's file
+        a.release("t")
+        a.release("t")
+        with pytest.raises(RuntimeError):
+            a.release("t")
+        _request(engine_a, a, "t", PROMPTS[1])
+        assert file_version(memory_metadata(tmp_path / "t.safetensors")) == 2
+        _request(engine_b, b, "t", PROMPTS[2])  # B's copy (version 1) is stale: it reloads first
+        assert b.reloads == 1 and b.versions["t"] == 3 and b.requests["t"] == 3
+        metadata = memory_metadata(tmp_path / "t.safetensors")
+        assert metadata[VERSION_KEY] == "3" and metadata[REQUESTS_KEY] == "3"
+        assert metadata["format"] == "recap-token-memory"  # the file's own fields are kept
+        _request(engine_b, b, "t", PROMPTS[0])  # its own save is current: no reload
+        assert b.reloads == 1
+    finally:
+        engine_a.shutdown(5)
+        engine_b.shutdown(5)
+    # nothing is saved at shutdown (it could overwrite a newer file): the version stays
+    assert file_version(memory_metadata(tmp_path / "t.safetensors")) == 4
+
+
+def test_old_temporaries_go_and_recent_ones_stay(tmp_path):
+    import os
+
+    old, new = tmp_path / "a.safetensors.tmp-1-2-ab", tmp_path / "b.safetensors.tmp-99999999-1-cd"
+    old.write_bytes(b"x")
+    new.write_bytes(b"x")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    assert remove_old_temporaries(tmp_path) == [old.name]
+    assert new.exists()  # a writer on another machine may still be saving it
+    assert memory_metadata(tmp_path / "missing.safetensors") is None
+    (tmp_path / "bad.safetensors").write_bytes(b"not a file")
+    assert memory_metadata(tmp_path / "bad.safetensors") == {}
+    assert file_version(None) == 0 and file_version({VERSION_KEY: "x"}) == -1

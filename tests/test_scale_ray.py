@@ -1,0 +1,219 @@
+"""`recap serve --replicas`: the server's app in front of three Ray replicas of the tiny
+model, on a private Ray instance on loopback, called with the real `openai` client.
+
+Answers equal greedy decoding; each tenant's memory file counts exactly its requests, even
+for a tenant whose burst spills onto two replicas (the file locks, not affinity, keep it
+right); a replica killed with SIGKILL before a request reaches it has the request retried
+on another, a stream a killed replica had started ends with an error event, and the
+survivor answers every tenant. Skipped without Ray (``recap-decoding[ray]``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from recap.serve import ServerConfig, create_app
+from recap.serve.scale import control
+from recap.serve.shared import REQUESTS_KEY, memory_metadata
+from tests.conftest import fixed_cost_profile, load_target
+from tests.test_serve import _free_port, _greedy_text
+
+# not imported here: Ray must be first imported by `recap.serve.scale.connect` (loopback only)
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs recap-decoding[ray]")
+
+MODEL = "tiny-llama"
+KEYS = {f"key-of-tenant-{i}": f"tenant-{i}" for i in range(4)}
+PROMPTS = ["Tell me about the sea.", "Name three colours.", "Count to ten.", "What is a tree?"]
+MAX_TOKENS = 12
+
+
+@contextlib.contextmanager
+def scaled_server(folder, replicas: int = 3, **options):
+    """A real uvicorn server in a thread, its app's decoder `ScaledEngine` on ``replicas`` Ray
+    actors (``options``: `ReplicaSpec` fields)."""
+    from recap.serve.scale import ReplicaSpec, scaled_engine_factory
+
+    spec = ReplicaSpec(model=MODEL, cost_profile=fixed_cost_profile(), threads=1, method="recap",
+                       memory_dir=str(folder), **{"max_batch": 4, **options})
+    make_engine = scaled_engine_factory(spec, replicas, cpus_per_replica=0.5)
+    import ray  # only now: `connect` imported it first
+    assert {node["NodeManagerAddress"] for node in ray.nodes()} == {"127.0.0.1"}
+    app = create_app(load_target(MODEL), ServerConfig(model_name=MODEL, api_keys=KEYS, memory_dir=str(folder)),
+                     make_engine)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(60)
+        assert not ray.is_initialized()  # the engine's shutdown stopped the Ray it started
+
+
+def _client(url: str, tenant: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=f"key-of-tenant-{tenant}", max_retries=0, timeout=120)
+
+
+def _ask(url: str, tenant: int, prompt: str, stream: bool) -> tuple[str, int]:
+    """(text, accepted drafts) of one answer."""
+    client = _client(url, tenant)
+    messages = [{"role": "user", "content": prompt}]
+    if not stream:
+        answer = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS)
+        return answer.choices[0].message.content, answer.model_extra["recap"]["accepted_tokens"]
+    text, accepted = "", 0
+    for part in client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, stream=True,
+                                               stream_options={"include_usage": True}):
+        if part.choices:
+            text += part.choices[0].delta.content or ""
+        if part.usage is not None:
+            accepted = part.model_extra["recap"]["accepted_tokens"]
+    return text, accepted
+
+
+def test_without_the_lock_replicas_lose_updates(tmp_path):
+    """The negative control (first, before the module's server starts its own Ray): one
+    tenant's burst forced onto both replicas (one lane each) with the file lock off loses
+    updates, so the exact counts below can fail."""
+    with scaled_server(tmp_path, replicas=2, max_batch=1, use_lock=False) as (url, app):
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda i: _ask(url, 0, PROMPTS[i % 4], False), range(8)))
+        loads = [s["requests"] for s in _stats(app.state.engine)]
+    assert all("tenant-0" in served for served in loads)  # both replicas decoded the tenant
+    assert _counts(tmp_path)["tenant-0"] < 8
+
+
+def _stats(engine) -> list[dict]:
+    import ray
+
+    return ray.get([control(handle, "stats").remote() for handle in engine.handles.values()])
+
+
+@pytest.fixture(scope="module")
+def greedy() -> dict[str, str]:
+    return {prompt: _greedy_text(MODEL, prompt, max_tokens=MAX_TOKENS) for prompt in PROMPTS}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("memories")
+    with scaled_server(folder) as (url, app):
+        yield url, app, folder
+
+
+def _counts(folder) -> dict[str, int]:
+    counts = {}
+    for tenant in KEYS.values():
+        metadata = memory_metadata(folder / f"{tenant}.safetensors")
+        counts[tenant] = int(metadata[REQUESTS_KEY]) if metadata else 0
+    return counts
+
+
+def test_two_replicas_answer_like_greedy_and_count_every_tenants_requests(server, greedy):
+
+    url, app, folder = server
+    engine = app.state.engine
+    health = httpx.get(f"{url}/health").json()
+    assert health["replicas"] == 3 and health["max_batch"] == 12
+    # the same API as the single server: keys, errors
+    response = httpx.post(f"{url}/v1/chat/completions", json={"model": MODEL, "messages": []},
+                          headers={"Authorization": "Bearer wrong-key-123"})
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+    owners = {t: engine.router.owner(t) for t in KEYS.values()}
+    assert len(set(owners.values())) >= 2  # 4 tenants over 3 replicas
+
+    # 4 tenants x 4 requests from 6 clients, streamed and not; then a burst of tenant-0 alone,
+    # which the load bound spills onto a second replica
+    cases = [(t, PROMPTS[(t + i) % 4], i % 2 == 0) for i in range(4) for t in range(4)]
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda case: (case, _ask(url, *case)), cases))
+    with ThreadPoolExecutor(6) as pool:  # more than a replica's 4 lanes: the 5th and 6th spill
+        burst = list(pool.map(lambda i: ((0, PROMPTS[i % 4], False), _ask(url, 0, PROMPTS[i % 4], False)), range(6)))
+    for (_, prompt, _), (text, _) in answers + burst:
+        assert text == greedy[prompt]
+    assert sum(accepted for _, (_, accepted) in answers + burst) > 0  # drafts were accepted, and exact
+
+    expected = {t: 4 for t in KEYS.values()}
+    expected["tenant-0"] += 6
+    assert _counts(folder) == expected  # every request of every tenant is in its file, once
+    stats = _stats(engine)
+    assert sum(bool(s["requests"]) for s in stats) >= 2  # several replicas decoded
+    assert sum("tenant-0" in s["requests"] for s in stats) >= 2  # the burst spilled
+    print("replica stats:", stats, "retried:", engine.retried)
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'recap_requests_total{status="ok"} 22.0' in metrics
+
+    # a client that goes away mid-stream frees its replica (the cancel crosses to the replica)
+    stream = _client(url, 2).chat.completions.create(model=MODEL, max_tokens=400, stream=True,
+                                                     messages=[{"role": "user", "content": PROMPTS[2]}])
+    chunks = iter(stream)
+    part = next(chunks)
+    while not (part.choices and part.choices[0].delta.content):
+        part = next(chunks)
+    stream.close()
+    deadline = time.monotonic() + 20
+    while httpx.get(f"{url}/health").json()["busy"]:
+        assert time.monotonic() < deadline, "the cancelled request kept its replica busy"
+        time.sleep(0.05)
+    assert 'recap_requests_total{status="499"} 1.0' in httpx.get(f"{url}/metrics").text
+
+
+def test_killed_replicas_fail_over(server, greedy):
+    """SIGKILL an idle replica: the next request for a tenant it owned meets the death and is
+    retried on another replica. SIGKILL a second replica mid-stream: that stream ends with an
+    error event. Then the survivor answers every tenant, and no tenant's save is lost."""
+    import ray
+
+    url, app, folder = server
+    engine = app.state.engine
+    before = _counts(folder)
+
+    def kill(replica: str) -> None:
+        os.kill(ray.get(control(engine.handles[replica], "info").remote())["pid"], signal.SIGKILL)
+
+    first = engine.router.owner("tenant-1")
+    kill(first)
+    time.sleep(1.0)  # the process is gone; the front learns of it from the next request
+    text, _ = _ask(url, 1, PROMPTS[1], stream=True)
+    assert text == greedy[PROMPTS[1]] and engine.retried == 1 and first in engine.dead
+
+    second = engine.router.owner("tenant-1")
+    stream = _client(url, 1).chat.completions.create(model=MODEL, max_tokens=400, stream=True,
+                                                     messages=[{"role": "user", "content": PROMPTS[0]}])
+    chunks = iter(stream)
+    part = next(chunks)
+    while not (part.choices and part.choices[0].delta.content):
+        part = next(chunks)
+    kill(second)
+    with pytest.raises(openai.APIError, match="replica"):
+        for _ in chunks:
+            pass
+    assert engine.retried == 1  # a started stream is not retried
+
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda t: (t, _ask(url, t, PROMPTS[t], False)), range(4)))
+    for t, (text, _) in answers:
+        assert text == greedy[PROMPTS[t]]
+    health = httpx.get(f"{url}/health").json()
+    assert health["replicas"] == 1 and health["replicas_dead"] == 2
+    after = _counts(folder)
+    added = {f"tenant-{t}": 1 for t in range(4)}
+    added["tenant-1"] += 1  # the retried request; the killed stream was never saved
+    assert after == {t: before[t] + added[t] for t in before}, (before, after)
