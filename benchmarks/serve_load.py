@@ -6,7 +6,9 @@ items, topics interleaved (text only; ``--model recap-demo-vlm`` takes held-out 
 with "Describe the image." instead). A method is ``NAME[:each][@B]``: ``:each`` makes every
 request size its own tree as it would alone (no shared budget), ``@B`` caps the batch at B
 requests (``@1`` is the one-request-at-a-time server). Every answer is compared with greedy
-decoding of its prompt alone (mismatches are printed and counted). Printed: requests/s,
+decoding of its prompt alone (mismatches are printed and counted). ``--replicas 0,1,2`` runs
+each method on the single-process server (0) and behind N Ray replicas (one CPU each);
+``--tenants N`` sends request i with the i mod N-th of N API keys. Printed: requests/s,
 completion tokens/s, P50/P95 latency, mean tau, mean requests per step; ``--out`` writes
 JSON and ``--plot`` a PNG of tokens/s and P50 latency by concurrency.
 
@@ -72,10 +74,26 @@ def _method(spec: str) -> tuple[str, bool, int | None]:
     return name, budget != "each", int(batch) if batch else None
 
 
-def _run_server(target, model: str, spec: str):
+def _keys(tenants: int) -> dict[str, str] | None:
+    """One API key per tenant (None: the keyless one-tenant server)."""
+    return None if tenants <= 1 else {f"serve-load-key-{i:04d}": f"tenant{i}" for i in range(tenants)}
+
+
+def _run_server(target, model: str, spec: str, *, replicas: int = 0, tenants: int = 1, threads: int = 1,
+                dtype: str = "float32"):
+    """A fresh server for ``spec``: in this process (``replicas`` 0) or fronting that many Ray
+    replicas (`recap.serve.scale`, one CPU and ``threads`` threads each)."""
     method, shared, max_batch = _method(spec)
+    make_engine = None
+    if replicas:
+        from recap.serve.scale import ReplicaSpec, scaled_engine_factory
+
+        make_engine = scaled_engine_factory(
+            ReplicaSpec(model=model, dtype=dtype, threads=threads, method=method, max_queue=256, max_batch=max_batch,
+                        shared_budget=shared), replicas, cpus_per_replica=1)
     app = create_app(target, ServerConfig(model_name=model, method=method, max_queue=256, max_batch=max_batch,
-                                          shared_budget=shared, max_tokens_limit=4096))
+                                          shared_budget=shared, max_tokens_limit=4096, api_keys=_keys(tenants)),
+                     make_engine)
     with __import__("socket").socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -87,9 +105,10 @@ def _run_server(target, model: str, spec: str):
     return app, server, thread, f"http://127.0.0.1:{port}"
 
 
-def _ask(url: str, model: str, messages: list[dict], max_tokens: int) -> dict:
+def _ask(url: str, model: str, messages: list[dict], max_tokens: int, key: str | None = None) -> dict:
     start = time.perf_counter()
     response = httpx.post(f"{url}/v1/chat/completions", timeout=900,
+                          headers={"Authorization": f"Bearer {key}"} if key else None,
                           json={"model": model, "messages": messages, "max_tokens": max_tokens})
     response.raise_for_status()
     body = response.json()
@@ -133,6 +152,11 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--replicas", default="0",
+                        help="comma-separated replica counts: 0 is the single-process server, N > 0 fronts N Ray "
+                             "replicas (recap-decoding[ray])")
+    parser.add_argument("--tenants", type=int, default=1,
+                        help="API keys, one tenant each; request i uses key i mod N (1: no keys)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--plot", default=None)
     args = parser.parse_args()
@@ -146,29 +170,38 @@ def main() -> int:
     for messages in timed:  # what every answer must be
         tokens = decode(target, make_proposer("ar"), target.prepare(messages), max_new_tokens=args.max_tokens).tokens
         greedy.append(target.tokenizer.decode(tokens, skip_special_tokens=True))
+    keys = list(_keys(args.tenants) or [None])
     rows, mismatches = [], 0
-    for spec in args.methods.split(","):
-        app, server, thread, url = _run_server(target, args.model, spec)
+    for replicas, spec in [(int(r), m) for r in args.replicas.split(",") for m in args.methods.split(",")]:
+        label = spec if not replicas else f"{spec} x{replicas} replicas"
+        app, server, thread, url = _run_server(target, args.model, spec, replicas=replicas, tenants=args.tenants,
+                                               threads=args.threads, dtype=args.dtype)
+
+        def ask(pair, u=url):
+            i, messages = pair
+            return _ask(u, args.model, messages, args.max_tokens, keys[i % len(keys)])
+
         try:
             with ThreadPoolExecutor(max(1, min(4, args.warmup))) as pool:
-                list(pool.map(lambda m, u=url: _ask(u, args.model, m, args.max_tokens), warmup))
+                list(pool.map(ask, enumerate(warmup)))
             for level, concurrency in enumerate(levels):
                 batch = timed[level * args.requests:(level + 1) * args.requests]
                 expected = greedy[level * args.requests:(level + 1) * args.requests]
-                steps_before, engine = app.state.engine.batch.steps, app.state.engine
+                engine = app.state.engine
+                steps_before = getattr(engine.batch, "steps", 0)
                 start = time.perf_counter()
                 with ThreadPoolExecutor(concurrency) as pool:
-                    results = list(pool.map(lambda m, u=url: _ask(u, args.model, m, args.max_tokens), batch))
+                    results = list(pool.map(ask, enumerate(batch)))
                 wall = time.perf_counter() - start
-                steps = engine.batch.steps - steps_before
+                steps = getattr(engine.batch, "steps", 0) - steps_before  # 0 through replicas: not counted
                 wrong = [i for i, (r, want) in enumerate(zip(results, expected)) if r["text"] != want]
                 mismatches += len(wrong)
                 for i in wrong:
-                    print(f"  MISMATCH {spec} c={concurrency} request {i}: {results[i]['text'][:60]!r} vs "
+                    print(f"  MISMATCH {label} c={concurrency} request {i}: {results[i]['text'][:60]!r} vs "
                           f"{expected[i][:60]!r}", flush=True)
                 latencies = sorted(r["latency"] for r in results)
                 iterations = sum(r["tokens"] / r["tau"] for r in results)
-                row = {"method": spec, "concurrency": concurrency, "requests": len(results),
+                row = {"method": label, "concurrency": concurrency, "requests": len(results),
                        "requests_per_s": len(results) / wall,
                        "tokens_per_s": sum(r["tokens"] for r in results) / wall,
                        "p50_s": statistics.median(latencies),
@@ -176,14 +209,15 @@ def main() -> int:
                        "tau": statistics.mean(r["tau"] for r in results),
                        "requests_per_step": iterations / steps if steps else 0.0, "mismatches": len(wrong)}
                 rows.append(row)
-                print(f"{spec:>12} c={concurrency}: {row['requests_per_s']:.2f} req/s, "
+                print(f"{label:>12} c={concurrency}: {row['requests_per_s']:.2f} req/s, "
                       f"{row['tokens_per_s']:.1f} tok/s, P50 {row['p50_s']:.2f} s, P95 {row['p95_s']:.2f} s, "
                       f"tau {row['tau']:.2f}, {row['requests_per_step']:.2f} requests/step", flush=True)
         finally:
             server.should_exit = True
             thread.join(60)
     meta = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens,
-            "requests_per_level": args.requests, "warmup": args.warmup, "kernels": target.kernels,
+            "requests_per_level": args.requests, "tenants": args.tenants, "replicas": args.replicas,
+            "warmup": args.warmup, "kernels": target.kernels,
             "mismatches": mismatches}
     print("\n| method | concurrency | req/s | tok/s | P50 latency | P95 latency | tau | requests/step |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
