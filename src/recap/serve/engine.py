@@ -124,6 +124,9 @@ class Job:
     step, then one ``{"type": "done", ...}`` or ``{"type": "error", "message"}``. Called
     from the worker thread."""
     sampling: Sampling | None = None
+    streamed: bool = False
+    """The client sees text as it comes (a stream cannot take it back); otherwise only the
+    final answer, so a failed decode may be run again from the start."""
     deadline: float = float("inf")
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)

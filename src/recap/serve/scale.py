@@ -7,10 +7,11 @@ one replica unless it is hot) and forwards the replica's events. A replica (`Rep
 actor) is the single server's `Engine` over `recap.serve.shared.SharedTenantStreams`, whose
 file locks and versions keep the memory folder right whichever replica a request lands on.
 
-A replica that dies before a request's first text has the request retried once on another
-replica; a request whose text had started ends with an error event (a stream cannot take
-text back); the dead replica leaves the ring, so new requests go to the survivors. A dead
-replica is not restarted.
+A replica that dies with a request in flight has it run again once on another replica,
+unless the request is streamed and its text had started: that stream ends with an error
+event (a stream cannot take text back; a non-streamed answer is only the final event, and
+greedy or seeded decoding gives it again). The dead replica leaves the ring, so new requests
+go to the survivors. A dead replica is not restarted.
 
 Only this module imports Ray, and only once `connect` runs (``recap serve --replicas`` or
 ``--ray-address``): a private instance must be told before Ray's first import to keep to the
@@ -220,12 +221,13 @@ class ScaledEngine:
                 started, final = self._attempt(job, replica)
                 if final is not None:
                     break
-                # the replica died before the request's first text: once more, elsewhere
-                if started or len(tried) > 1:
+                # the replica died: once more, elsewhere, unless a stream had shown text (a non-streamed
+                # answer is only the final event, and a greedy or seeded decode gives it again)
+                if (started and job.streamed) or len(tried) > 1:
                     final = {"type": "error", "message": "the replica decoding this request failed", "status": 503}
                     break
                 self.retried += 1
-                log.warning("replica %s failed before the request started; retrying it on another", replica)
+                log.warning("replica %s failed with the request in flight; running it again on another", replica)
         except Exception:  # noqa: BLE001 - the request must be answered
             log.exception("request failed")
         finally:
