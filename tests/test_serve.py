@@ -25,6 +25,8 @@ import numpy as np
 import openai
 import pytest
 import uvicorn
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from recap.decoding import decode
 from recap.images import synthetic_image
@@ -499,3 +501,50 @@ def test_the_default_batch_is_read_off_the_cost_profile():
     assert default_max_batch(Lanes(CostProfile.linear(5.0))) == 2  # batching still pays a little
     assert default_max_batch(Lanes(CostProfile.flat())) == 64
     assert default_max_batch(load_target("tiny-llama", kernels="stock")) == 1
+
+
+@given(st.lists(st.text("ab\n", max_size=6), max_size=8), st.lists(st.text("ab\n", min_size=1, max_size=3),
+                                                                    min_size=1, max_size=4))
+@settings(max_examples=300, deadline=None)
+def test_stop_strings_cut_at_the_first_match_whatever_the_deltas(deltas, stops):
+    """However the answer's text is split into step deltas, what is sent is the text before
+    the first occurrence of any stop string (all of it if none occurs), and a delta is sent as
+    soon as no stop string can begin in it."""
+    from recap.serve.engine import StopStrings
+
+    whole = "".join(deltas)
+    hits = [i for i in (whole.find(s) for s in stops) if i >= 0]
+    expected = whole[:min(hits)] if hits else whole
+    matcher, sent, stopped = StopStrings(stops), "", False
+    for delta in deltas:
+        out, stopped = matcher.feed(delta)
+        sent += out
+        if stopped:
+            break
+    if not stopped:
+        sent += matcher.flush()
+    assert sent == expected == matcher.text and stopped == bool(hits)
+
+
+def test_a_stop_string_ends_the_answer_streamed_or_not():
+    """The answer ends before the first stop string, with finish_reason "stop"; streamed deltas
+    add up to the same text, none of the stop string sent; the request leaves the batch."""
+    model = "tiny-llama"
+    full = _greedy_text(model, "Count from one to ten.", max_tokens=24)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    expected = full[:full.find(stop)]
+    assert stop and expected != full
+    with serving(model) as (url, app):
+        client = _client(url)
+        messages = [{"role": "user", "content": "Count from one to ten."}]
+        reply = client.chat.completions.create(model=model, messages=messages, max_tokens=24, stop=[stop, "\x00"])
+        assert reply.choices[0].message.content == expected and reply.choices[0].finish_reason == "stop"
+        assert reply.usage.completion_tokens < 24
+        text, finish = "", None
+        for part in client.chat.completions.create(model=model, messages=messages, max_tokens=24, stop=stop,
+                                                   stream=True):
+            if part.choices:
+                text += part.choices[0].delta.content or ""
+                finish = part.choices[0].finish_reason or finish
+        assert text == expected and finish == "stop"
+        assert not app.state.engine.busy

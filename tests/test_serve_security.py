@@ -585,13 +585,19 @@ def test_a_request_after_shutdown_began_is_answered_503_not_429():
 
 
 def test_fields_that_would_change_the_answer_are_refused_not_ignored():
-    """`stop`, penalties, logprobs, tools, a JSON response format...: a server that ignored them
-    would hand back an answer the client reads as if they had been applied. Their neutral
-    values, and fields that change nothing (``user``, ``metadata``), pass."""
+    """Penalties, logprobs, tools, a JSON response format...: a server that ignored them would
+    hand back an answer the client reads as if they had been applied. Their neutral values,
+    and fields that change nothing (``user``, ``metadata``), pass; a malformed ``stop`` is a 400."""
     from recap.serve.chat import ApiError, parse_chat_request
 
     base = {"model": "m", "messages": HI}
-    for field, value in (("stop", ["\n"]), ("stop", "END"), ("presence_penalty", 0.5), ("frequency_penalty", 1),
+    for value in (5, [""], ["a", "b", "c", "d", "e"], ["x" * 257], [1]):
+        with pytest.raises(ApiError) as refused:
+            parse_chat_request({**base, "stop": value})
+        assert refused.value.code == "invalid_stop"
+    assert parse_chat_request({**base, "stop": "END"}).stop == ("END",)
+    assert parse_chat_request({**base, "stop": ["a", "b", "a"]}).stop == ("a", "b")
+    for field, value in (("presence_penalty", 0.5), ("frequency_penalty", 1),
                          ("logprobs", True), ("top_logprobs", 2), ("logit_bias", {"42": 5}),
                          ("tools", [{"type": "function"}]), ("response_format", {"type": "json_object"}),
                          ("presence_penalty", False)):
@@ -604,5 +610,5 @@ def test_fields_that_would_change_the_answer_are_refused_not_ignored():
                          ("user", "alice"), ("metadata", {"a": "b"}), ("store", False)):
         assert parse_chat_request({**base, field: value}).messages
     with serving("tiny-llama") as (url, _):
-        error = _error(_post(url, {"model": "tiny-llama", "messages": HI, "stop": ["."]}), 400)
+        error = _error(_post(url, {"model": "tiny-llama", "messages": HI, "logprobs": True}), 400)
         assert error["code"] == "unsupported_parameter"

@@ -408,7 +408,8 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
             loop = asyncio.get_running_loop()
             events: asyncio.Queue[dict] = asyncio.Queue()
             job = Job(tenant=tenant, inputs=inputs, max_tokens=max_tokens, sampling=chat.sampling,
-                      streamed=chat.stream, emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+                      streamed=chat.stream, stop=chat.stop,
+                      emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
                       deadline=deadline, submitted=arrived)
             try:
                 engine.submit(job)

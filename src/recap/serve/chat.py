@@ -80,6 +80,8 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     model: str = ""
+    stop: tuple[str, ...] = ()
+    """Strings that end the answer where one first appears (not included)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -200,7 +202,6 @@ def _sampling(body: dict) -> Sampling | None:
 
 
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "stop": (None, [], ""),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "logit_bias": (None, {}),
@@ -217,8 +218,25 @@ UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
 }
 """Fields that would change the answer, with the values that change nothing: any other value
 is refused (400 ``unsupported_parameter``) rather than silently ignored, so a client never
-reads an answer as if its stop strings, penalties or tools had been applied. Fields that
+reads an answer as if its penalties or tools had been applied. Fields that
 change nothing here (``user``, ``metadata``, ``store``, ...) are accepted and ignored."""
+
+
+MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    """OpenAI's ``stop``: a string or up to 4 strings (none empty); None or [] for none."""
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or \
+            not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOPS} non-empty strings of "
+                            f"at most {MAX_STOP_CHARS} characters", code="invalid_stop")
+    return tuple(dict.fromkeys(stops))
 
 
 def _refuse_unsupported(body: dict) -> None:
@@ -280,7 +298,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if image_url is not None and not any(m["role"] == "user" for m in texts):  # it goes in the first user turn
         raise ApiError(400, "an image needs a user message to go in", code="invalid_messages")
     return ChatRequest(messages=texts, image_url=image_url, max_tokens=max_tokens, sampling=sampling, stream=stream,
-                       include_usage=include_usage, model=model)
+                       include_usage=include_usage, model=model, stop=_stop(body))
 
 
 def _message_parts(message: Any) -> tuple[str, list[dict]]:
@@ -395,7 +413,7 @@ def completion_id() -> str:
 
 
 def finish_reason(stop_reason: str) -> str:
-    return "stop" if stop_reason == "eos" else "length"
+    return "stop" if stop_reason in ("eos", "stop") else "length"
 
 
 def completion(request_id: str, model: str, text: str, stop_reason: str, usage: dict, recap: dict) -> dict:

@@ -114,6 +114,36 @@ class IncrementalDetokenizer:
         return max(0, min(length, len(run) - len(self._prefix_text)))
 
 
+class StopStrings:
+    """Ends an answer where a stop string first appears, across step deltas: text that could
+    still be the start of one is held back until the next delta shows it is not."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.text = ""
+        """What was let through: the answer, truncated before the stop string once one appears."""
+        self._held = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """(text to send now, whether a stop string appeared: then nothing more is sent)."""
+        buffer = self._held + delta
+        found = [i for i in (buffer.find(stop) for stop in self.stops) if i >= 0]
+        if found:
+            out, self._held = buffer[:min(found)], ""
+            self.text += out
+            return out, True
+        keep = max((n for stop in self.stops for n in range(1, len(stop)) if buffer.endswith(stop[:n])), default=0)
+        out, self._held = buffer[:len(buffer) - keep], buffer[len(buffer) - keep:]
+        self.text += out
+        return out, False
+
+    def flush(self) -> str:
+        """The held-back tail, once the answer has ended without a stop string."""
+        out, self._held = self._held, ""
+        self.text += out
+        return out
+
+
 @dataclass
 class Job:
     tenant: str
@@ -127,6 +157,8 @@ class Job:
     streamed: bool = False
     """The client sees text as it comes (a stream cannot take it back); otherwise only the
     final answer, so a failed decode may be run again from the start."""
+    stop: tuple[str, ...] = ()
+    """Stop strings: the answer ends where one first appears (`StopStrings`)."""
     deadline: float = float("inf")
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
@@ -142,6 +174,7 @@ class _Active:
     job: Job
     decoding: Decoding
     detokenizer: IncrementalDetokenizer
+    stops: StopStrings | None = None
 
 
 STEP_SLOWDOWN = 2.0
@@ -297,7 +330,8 @@ class Engine:
         finally:
             self._admitting = False
         self._in_flight[job.tenant] = self._in_flight.get(job.tenant, 0) + 1
-        self._active[decoding] = _Active(job, decoding, IncrementalDetokenizer(self.target.tokenizer))
+        self._active[decoding] = _Active(job, decoding, IncrementalDetokenizer(self.target.tokenizer),
+                                         StopStrings(job.stop) if job.stop else None)
         self.batch.add(decoding)
 
     def _on_event(self, event: BatchEvent) -> None:
@@ -310,11 +344,17 @@ class Engine:
             return
         step = event.step
         delta, drafted_text = active.detokenizer.add(step.tokens, step.drafted)
+        stopped = False
+        if active.stops is not None:
+            delta, stopped = active.stops.feed(delta)
+            drafted_text = drafted_text[:len(delta)]
         if delta:
             active.job.emit({"type": "text", "text": delta, "drafted_text": drafted_text,
                              "tokens": len(step.tokens), "drafted": step.drafted})
-        if event.finished:
-            self._end(active, self._done(active))
+        if stopped and not event.finished:
+            self.batch.cancel(active.decoding)
+        if stopped or event.finished:
+            self._end(active, self._done(active, stopped))
 
     def _check_limits(self) -> None:
         """Between steps: cancelled requests (client gone, shutdown) and those past their time
@@ -330,14 +370,24 @@ class Engine:
             self.batch.cancel(active.decoding)
             self._end(active, event)
 
-    def _done(self, active: _Active) -> dict[str, Any]:
-        result = active.decoding.result
-        rest, drafted_text, text = active.detokenizer.finish()  # what was held back, or a tokenizer's late spelling
-        if rest:
-            active.job.emit({"type": "text", "text": rest, "drafted_text": drafted_text, "tokens": 0, "drafted": 0})
+    def _done(self, active: _Active, stopped: bool = False) -> dict[str, Any]:
+        """The final event; ``stopped``: a stop string ended the answer (its text is what the
+        stop matcher let through)."""
+        result, stops = active.decoding.result, active.stops
+        if not stopped:
+            rest, drafted_text, text = active.detokenizer.finish()  # what was held back, or a late spelling
+            if stops is not None:
+                rest, stopped = stops.feed(rest)
+                rest += "" if stopped else stops.flush()
+                drafted_text, text = drafted_text[:len(rest)], stops.text
+            if rest:
+                active.job.emit({"type": "text", "text": rest, "drafted_text": drafted_text, "tokens": 0,
+                                 "drafted": 0})
+        else:
+            text = stops.text
         accepted = sum(it.accepted for it in result.iterations)
         return {
-            "type": "done", "text": text, "stop_reason": result.stop_reason,
+            "type": "done", "text": text, "stop_reason": "stop" if stopped else result.stop_reason,
             "usage": {"prompt_tokens": result.prompt_len, "completion_tokens": len(result.tokens),
                       "total_tokens": result.prompt_len + len(result.tokens)},
             "recap": {"method": self.tenants.method, "tau": round(result.tau, 4),

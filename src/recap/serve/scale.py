@@ -98,12 +98,13 @@ class Replica:
         if job is not None:
             job.cancel()
 
-    def decode(self, request_id: str, tenant: str, inputs, max_tokens: int, sampling, seconds: float):
+    def decode(self, request_id: str, tenant: str, inputs, max_tokens: int, sampling, seconds: float,
+               stop: tuple[str, ...] = ()):
         """The request's events, as `Engine` emits them (a Ray streaming generator). The
         tenant's lock is taken before the request is queued and let go after its save, just
         before its final event."""
         job = Job(tenant=tenant, inputs=inputs, max_tokens=max_tokens, sampling=sampling, emit=lambda event: None,
-                  deadline=time.monotonic() + seconds)
+                  deadline=time.monotonic() + seconds, stop=stop)
         self._jobs[request_id] = job
         try:
             yield from locked_events(self.engine, self.tenants, job)
@@ -249,7 +250,7 @@ class ScaledEngine:
         try:
             seconds = max(0.0, job.deadline - time.monotonic())
             stream = self.handles[replica].decode.remote(request_id, job.tenant, job.inputs, job.max_tokens,
-                                                         job.sampling, seconds)
+                                                         job.sampling, seconds, job.stop)
             for ref in stream:
                 event = ray.get(ref)
                 if event["type"] in FINAL:
