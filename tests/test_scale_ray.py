@@ -32,10 +32,13 @@ from tests.conftest import fixed_cost_profile, load_target
 from tests.test_serve import _free_port, _greedy_text
 
 # not imported here: Ray must be first imported by `recap.serve.scale.connect` (loopback only)
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs recap-decoding[ray]")
+pytestmark = [pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs recap-decoding[ray]"),
+              pytest.mark.xdist_group("ray")]  # one worker: one private Ray instance at a time
 
 MODEL = "tiny-llama"
 KEYS = {f"key-of-tenant-{i}": f"tenant-{i}" for i in range(4)}
+FRESH = {f"key-of-tenant-{i}": f"tenant-{i}" for i in (4, 5)}
+"""Two more tenants, used only by the isolation test."""
 PROMPTS = ["Tell me about the sea.", "Name three colours.", "Count to ten.", "What is a tree?"]
 MAX_TOKENS = 12
 LONG = 160
@@ -53,7 +56,8 @@ def scaled_server(folder, replicas: int = 2, **options):
     make_engine = scaled_engine_factory(spec, replicas, cpus_per_replica=0.5)
     import ray  # only now: `connect` imported it first
     assert {node["NodeManagerAddress"] for node in ray.nodes()} == {"127.0.0.1"}
-    app = create_app(load_target(MODEL), ServerConfig(model_name=MODEL, api_keys=KEYS, memory_dir=str(folder)),
+    app = create_app(load_target(MODEL), ServerConfig(model_name=MODEL, api_keys={**KEYS, **FRESH},
+                                                      memory_dir=str(folder)),
                      make_engine)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
@@ -173,6 +177,29 @@ def test_two_replicas_answer_like_greedy_and_count_every_tenants_requests(server
         assert time.monotonic() < deadline, "the cancelled request kept its replica busy"
         time.sleep(0.05)
     assert 'recap_requests_total{status="499"} 1.0' in httpx.get(f"{url}/metrics").text
+
+
+def test_a_tenant_never_sees_another_tenants_memory(server, greedy):
+    """As on the single server: two fresh tenants asking the same questions, one before and one
+    after another tenant's burst (on whichever replicas), end with the same output store, and
+    neither's requests touch another tenant's file."""
+    from recap.core.persistence import read_token_memory
+
+    url, _, folder = server
+    questions = PROMPTS[:2]
+    for prompt in questions:
+        assert _ask(url, 4, prompt, False)[0] == greedy[prompt]
+    first = (folder / "tenant-4.safetensors").read_bytes()
+    with ThreadPoolExecutor(6) as pool:
+        list(pool.map(lambda i: _ask(url, 0, PROMPTS[(i + 2) % 4], False), range(6)))
+    others = {t: (folder / f"{t}.safetensors").read_bytes() for t in ("tenant-0", "tenant-4")}
+    for prompt in questions:
+        assert _ask(url, 5, prompt, False)[0] == greedy[prompt]
+    assert {t: (folder / f"{t}.safetensors").read_bytes() for t in others} == others
+    assert first == others["tenant-4"]
+    store = {t: read_token_memory(folder / f"{t}.safetensors").store.tolist() for t in ("tenant-4", "tenant-5")}
+    assert store["tenant-4"] and store["tenant-4"] == store["tenant-5"]
+    assert read_token_memory(folder / "tenant-0.safetensors").store.tolist() != store["tenant-5"]
 
 
 def test_a_replica_killed_mid_load_fails_no_non_streamed_request(server, greedy):
