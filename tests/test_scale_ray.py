@@ -16,20 +16,18 @@ import contextlib
 import importlib.util
 import os
 import signal
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from recap.serve import ServerConfig, create_app
 from recap.serve.scale import control
 from recap.serve.shared import REQUESTS_KEY, memory_metadata
 from tests.conftest import fixed_cost_profile, load_target
-from tests.test_serve import _free_port, _greedy_text
+from tests.test_serve import _greedy_text, running
 
 # not imported here: Ray must be first imported by `recap.serve.scale.connect` (loopback only)
 pytestmark = [pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="needs recap-decoding[ray]"),
@@ -59,20 +57,18 @@ def scaled_server(folder, replicas: int = 2, **options):
     app = create_app(load_target(MODEL), ServerConfig(model_name=MODEL, api_keys={**KEYS, **FRESH},
                                                       memory_dir=str(folder)),
                      make_engine)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}", app
-    finally:
-        server.should_exit = True
-        thread.join(60)
-        assert not ray.is_initialized()  # the engine's shutdown stopped the Ray it started
+    with running(app) as url:
+        yield url, app
+    assert not ray.is_initialized()  # the engine's shutdown stopped the Ray it started
+
+
+def _started(stream):
+    """The stream's chunk iterator, read up to its first piece of text (decoding has begun)."""
+    chunks = iter(stream)
+    part = next(chunks)
+    while not (part.choices and part.choices[0].delta.content):
+        part = next(chunks)
+    return chunks
 
 
 def _client(url: str, tenant: int) -> openai.OpenAI:
@@ -167,10 +163,7 @@ def test_two_replicas_answer_like_greedy_and_count_every_tenants_requests(server
     # a client that goes away mid-stream frees its replica (the cancel crosses to the replica)
     stream = _client(url, 2).chat.completions.create(model=MODEL, max_tokens=400, stream=True,
                                                      messages=[{"role": "user", "content": PROMPTS[2]}])
-    chunks = iter(stream)
-    part = next(chunks)
-    while not (part.choices and part.choices[0].delta.content):
-        part = next(chunks)
+    _started(stream)
     stream.close()
     deadline = time.monotonic() + 20
     while httpx.get(f"{url}/health").json()["busy"]:
@@ -217,10 +210,7 @@ def test_a_replica_killed_mid_load_fails_no_non_streamed_request(server, greedy)
     victim = engine.router.owner("tenant-1")
     stream = _client(url, 1).chat.completions.create(model=MODEL, max_tokens=400, stream=True,
                                                      messages=[{"role": "user", "content": PROMPTS[0]}])
-    chunks = iter(stream)
-    part = next(chunks)
-    while not (part.choices and part.choices[0].delta.content):
-        part = next(chunks)
+    chunks = _started(stream)
     cases = [(t, PROMPTS[(t + i) % 4]) for i in range(4) for t in range(4)]
     long = {prompt: _greedy_text(MODEL, prompt, max_tokens=LONG) for prompt in PROMPTS}
     with ThreadPoolExecutor(8) as pool:

@@ -45,8 +45,15 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def serving(model: str, **options):
     """A real uvicorn server in a thread; yields its base URL and the app."""
-    target = load_target(model)
-    app = create_app(target, ServerConfig(model_name=model, **options))
+    app = create_app(load_target(model), ServerConfig(model_name=model, **options))
+    with running(app) as url:
+        yield url, app
+
+
+@contextlib.contextmanager
+def running(app):
+    """Serve ``app`` with a real uvicorn server in a thread on a free loopback port; yields
+    the base URL and stops the server on exit."""
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -56,7 +63,7 @@ def serving(model: str, **options):
         assert time.monotonic() < deadline, "the server did not start"
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", app
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(60)
