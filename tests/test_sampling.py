@@ -31,7 +31,8 @@ def _inputs(target, prompt="Tell me a story about the sea."):
 def test_temperature_zero_or_absent_is_greedy_and_bad_values_are_refused():
     assert Sampling.of(None) is None and Sampling.of(0) is None and Sampling.of(0, top_k=4, top_p=0.5) is None
     assert Sampling.of(0.7, top_k=4, seed=3) == Sampling(0.7, 4, None, 3)
-    for bad in (dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=1.0, top_k=-2),
+    for bad in (dict(temperature=-1.0), dict(temperature=float("nan")), dict(temperature=1e-300),
+                dict(temperature=1.0, top_k=-2),
                 dict(temperature=1.0, top_p=0.0), dict(temperature=1.0, top_p=1.5)):
         with pytest.raises(SamplingError):
             Sampling(**bad)

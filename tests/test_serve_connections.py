@@ -1,8 +1,10 @@
 """The connection layer of `recap serve` (`recap.serve.http`) and crash leftovers in the memory
-folder: a client that never finishes its headers is cut off; interrupted saves are cleaned."""
+folder: a client that never finishes its headers, or never reads its response, is cut off;
+interrupted saves are cleaned."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -13,6 +15,7 @@ import time
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from recap.core.persistence import remove_stale_temporaries, temporary_path
@@ -26,14 +29,31 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+FLOOD_ENDED = threading.Event()
+"""Set when the app's endless /flood stream ends (its client gone)."""
+
+
 @pytest.fixture
 def server(request):
     """A minimal app under uvicorn with the given protocol class; yields its port."""
     app = FastAPI()
+    FLOOD_ENDED.clear()
 
     @app.get("/ping")
     async def ping():
         return {"ok": True}
+
+    @app.get("/flood")
+    async def flood():
+        async def chunks():
+            try:
+                while True:
+                    yield b"x" * 65536
+                    await asyncio.sleep(0)
+            finally:
+                FLOOD_ENDED.set()
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
 
     port = _free_port()
     config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=request.param)
@@ -96,6 +116,30 @@ def test_plain_uvicorn_keeps_such_a_connection_open(server):
     with socket.create_connection(("127.0.0.1", server)) as sock:
         sock.sendall(PARTIAL)
         assert not _closed_by_server(sock, 1.0)
+
+
+def _never_reading(port: int) -> socket.socket:
+    """A client that asks for the endless stream and then reads nothing (a small receive buffer)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.sendall(b"GET /flood HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+    return sock
+
+
+@pytest.mark.parametrize("server", [header_deadline_protocol(10.0, write_timeout=0.3)], indirect=True)
+def test_a_client_that_never_reads_its_response_is_cut_off(server):
+    """Before: the send waited for the client for ever (uvicorn has no write timeout), holding
+    the connection and the app's stream long after the request could have ended."""
+    with _never_reading(server):
+        assert FLOOD_ENDED.wait(10.0), "the stream of a client that reads nothing was never ended"
+
+
+@pytest.mark.parametrize("server", [H11Protocol], indirect=True)
+def test_plain_uvicorn_waits_for_a_client_that_never_reads(server):
+    """The negative control: without the write timeout the stream is still held."""
+    with _never_reading(server):
+        assert not FLOOD_ENDED.wait(1.5)
 
 
 def _dead_pid() -> int:

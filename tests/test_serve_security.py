@@ -515,6 +515,9 @@ def test_bad_input_is_a_400_never_a_500(monkeypatch):
         ("negative seed", {**sampled, "seed": -1}, None), ("seed past int64", {**sampled, "seed": 2**64}, None),
         ("fractional seed", {**sampled, "seed": 1.5}, None), ("string seed", {**sampled, "seed": "7"}, None),
         ("greedy with a bad seed", {**base, "seed": -3}, None),
+        ("a temperature whose logits overflow", {**sampled, "seed": 1, "temperature": 1e-320}, None),
+        ("a bad max_tokens beside a good max_completion_tokens", {**base, "max_tokens": "2",
+                                                                  "max_completion_tokens": 2}, None),
         ("huge max_tokens", None, raw + ', "max_completion_tokens": 1' + "0" * 400 + "}"),
         ("5000-digit integer", None, raw + ', "top_k": ' + "9" * 5000 + "}"),
         ("huge temperature", None, raw + ', "temperature": 1e400}'),
@@ -548,6 +551,31 @@ def test_bad_input_is_a_400_never_a_500(monkeypatch):
                        400)
         assert "sliding attention window of 48" in error["message"]
         assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_tokenising_and_a_template_refusal_is_a_400(monkeypatch):
+    """More characters than the context holds at the vocabulary's longest token: 400
+    ``context_length_exceeded`` with nothing tokenised; a chat template that refuses the
+    messages (``raise_exception``: no system role, roles that must alternate) is a 400
+    ``invalid_messages``. Before: the text was tokenised first (a 16 MB prompt took 20 s and
+    2 GB, while every other request waited to be prepared), and a template's refusal was a 500."""
+    target = load_target("tiny-llama")
+    most = max(len(piece) for piece in target.tokenizer.get_vocab()) * target.max_context
+    with serving("tiny-llama") as (url, _), _counting(monkeypatch, target) as counts:
+        parts = [{"type": "text", "text": "a" * (most // 2)}, {"type": "text", "text": "a" * (most // 2 + 2)}]
+        for messages in ([{"role": "user", "content": "a" * (most + 1)}],
+                         [{"role": "system", "content": "hi"}, {"role": "user", "content": parts}]):
+            error = _error(_post(url, {"model": "tiny-llama", "messages": messages}), 400)
+            assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
+        assert counts["prepared"] == 0
+        monkeypatch.setattr(target.tokenizer, "chat_template", "{% for m in messages %}{% if m['role'] == 'system' %}"
+                            "{{ raise_exception('System role not supported') }}{% endif %}{{ m['content'] }}"
+                            "{% endfor %}")
+        error = _error(_post(url, {"model": "tiny-llama", "max_tokens": 2,
+                                   "messages": [{"role": "system", "content": "be brief"}, *HI]}), 400)
+        assert error["code"] == "invalid_messages" and "System role not supported" in error["message"]
+        _no_internals(error["message"], target.name)
+        assert _post(url, {"model": "tiny-llama", "messages": HI, "max_tokens": 2}).status_code == 200
 
 
 def test_errors_show_no_server_paths_or_class_names(monkeypatch):

@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError  # chat templates' refusals (torch and transformers' templates need jinja2)
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -241,6 +242,7 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
     (``recap serve --replicas``: `recap.serve.scale.ScaledEngine`, which keeps the memories
     itself); the target then only prepares requests (templates, images, tokens)."""
     images = _checked(config)
+    max_prompt_chars = _longest_token(target) * target.max_context
     tenants = TenantStreams(config.method, target.vocab_size, config.memory_dir, config.memory_rows) \
         if make_engine is None else None
     metrics = Metrics(lambda: engine.depth)  # read at scrape time, once the engine exists
@@ -349,11 +351,18 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
         if len(chat.messages) >= target.max_context:  # each message is at least one token
             raise ApiError(400, f"{len(chat.messages)} messages cannot fit the model's context of "
                                 f"{target.max_context} tokens", code="context_length_exceeded")
+        chars = sum(len(m["content"]) for m in chat.messages)
+        if chars > max_prompt_chars:  # tokenising 16 MB of text took 20 s and 2 GB to find out
+            raise ApiError(400, f"the messages hold {chars} characters, more than the model's context of "
+                                f"{target.max_context} tokens can hold", code="context_length_exceeded")
         image = read_image_url(chat.image_url, images) if chat.image_url is not None else None
         try:
             return chat, target.encode_images(target.prepare(chat.messages, image))
         except InputError as error:
             raise ApiError(400, str(error)) from None
+        except TemplateError as error:  # the model's chat template refuses the messages (roles, order)
+            raise ApiError(400, f"{config.model_name}'s chat template refuses these messages: {str(error)[:200]}",
+                           code="invalid_messages") from None
         except Exception:
             if image is None:
                 raise
@@ -474,6 +483,14 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
             job.cancel()  # the client went away mid-stream: the decoder stops at its next step
 
     return app
+
+
+def _longest_token(target: TargetModel) -> int:
+    """The most characters one token can stand for: its vocabulary's longest entry (a piece
+    never decodes to more characters than it has: byte-level pieces spell one byte per
+    character, sentencepiece ones their text). A prompt of more characters than this times
+    the context cannot fit, and is refused before it is tokenised."""
+    return max(len(piece) for piece in target.tokenizer.get_vocab())
 
 
 def _server_paths(target: TargetModel, config: ServerConfig, images: ImagePolicy) -> list[tuple[str, str]]:

@@ -30,7 +30,7 @@ from typing import Any
 
 from PIL import Image
 
-from recap.target.sampling import Sampling, SamplingError
+from recap.target.sampling import MIN_TEMPERATURE, Sampling, SamplingError
 
 log = logging.getLogger("recap.serve")
 
@@ -187,8 +187,10 @@ def _sampling(body: dict) -> Sampling | None:
     """Every sampling field is type-checked even when greedy ignores it: a wrong type is a
     client bug worth reporting, whatever the temperature."""
     temperature, top_k, top_p, seed = (body.get(k) for k in ("temperature", "top_k", "top_p", "seed"))
-    if temperature is not None and (not _is_number(temperature) or temperature < 0):
-        raise ApiError(400, "'temperature' must be a number >= 0", code="invalid_sampling")
+    if temperature is not None and (not _is_number(temperature) or temperature < 0
+                                    or 0 < temperature < MIN_TEMPERATURE):
+        raise ApiError(400, f"'temperature' must be 0 (greedy) or a number >= {MIN_TEMPERATURE}",
+                       code="invalid_sampling")
     if top_k is not None and (not _is_int(top_k) or top_k < 0):
         raise ApiError(400, "'top_k' must be a whole number >= 0", code="invalid_sampling")
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):
@@ -264,11 +266,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
     n = body.get("n")
     if n is not None and (not _is_int(n) or n != 1):
         raise ApiError(400, "'n' must be 1: one answer per request", code="unsupported_parameter")
+    for name in ("max_tokens", "max_completion_tokens"):  # both checked, though the second wins
+        value = body.get(name)
+        if value is not None and (not _is_int(value) or value < 1):
+            raise ApiError(400, f"'{name}' must be a positive integer")
     max_tokens = body.get("max_completion_tokens")
     if max_tokens is None:
         max_tokens = body.get("max_tokens")
-    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-        raise ApiError(400, "'max_tokens' / 'max_completion_tokens' must be a positive integer")
     stream = _optional_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):

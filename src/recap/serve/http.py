@@ -8,6 +8,11 @@ headers of every request must be complete within ``header_timeout`` seconds of t
 connection's opening (or of the previous response on a kept-alive connection), or the
 connection is closed. The body that follows is bounded by the app (size, and
 ``--request-timeout`` for its arrival).
+
+uvicorn has no write timeout either: a client that stops reading a response (a stream it
+never consumes) blocks the send once the socket's and the transport's buffers are full, and
+the connection is held for ever after its request has ended. Here a connection whose writes
+stay paused (buffer full) for ``write_timeout`` seconds is aborted.
 """
 
 from __future__ import annotations
@@ -18,14 +23,20 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEADER_TIMEOUT = 10.0
 """Seconds a client has to send a request's line and headers (nginx's default is 60)."""
+WRITE_TIMEOUT = 30.0
+"""Seconds a response may wait for a client that stopped reading (nginx's send_timeout is 60)."""
 
 
-def header_deadline_protocol(header_timeout: float = HEADER_TIMEOUT) -> type[H11Protocol]:
+def header_deadline_protocol(header_timeout: float = HEADER_TIMEOUT,
+                             write_timeout: float = WRITE_TIMEOUT) -> type[H11Protocol]:
     """uvicorn's h11 protocol class (``uvicorn.run(..., http=...)``) closing connections
-    whose request headers are not complete ``header_timeout`` seconds after they could start."""
+    whose request headers are not complete ``header_timeout`` seconds after they could start,
+    and aborting those whose client has not read for ``write_timeout`` seconds with the
+    write buffer full."""
 
     class HeaderDeadlineProtocol(H11Protocol):
         _deadline: asyncio.TimerHandle | None = None
+        _stalled: asyncio.TimerHandle | None = None
 
         def _between_requests(self) -> bool:
             return self.cycle is None or self.cycle.response_complete
@@ -55,8 +66,28 @@ def header_deadline_protocol(header_timeout: float = HEADER_TIMEOUT) -> type[H11
             if not self._between_requests():  # the headers are in: the app bounds the rest
                 self._disarm()
 
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._stalled is None:
+                self._stalled = self.loop.call_later(write_timeout, self._not_reading)
+
+        def resume_writing(self) -> None:
+            if self._stalled is not None:
+                self._stalled.cancel()
+                self._stalled = None
+            super().resume_writing()
+
+        def _not_reading(self) -> None:
+            """abort, not close: close would wait to flush the buffer the client never reads;
+            the app then sees a disconnect and its stream ends (the request is cancelled)."""
+            self._stalled = None
+            self.transport.abort()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._stalled is not None:
+                self._stalled.cancel()
+                self._stalled = None
             super().connection_lost(exc)
 
     return HeaderDeadlineProtocol

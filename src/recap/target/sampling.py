@@ -31,6 +31,11 @@ class SamplingError(InputError):
     """Sampling settings RECAP cannot honour exactly; the message says why."""
 
 
+MIN_TEMPERATURE = 1e-6
+"""Smallest sampling temperature: below it a draw is greedy's token anyway, and far below
+(~1e-308) logits / temperature overflow and every draw was the vocabulary's last token."""
+
+
 @dataclass(frozen=True)
 class Sampling:
     """``temperature`` > 0; ``top_k`` None or 0: no top-k; ``top_p`` None or 1: no top-p;
@@ -43,8 +48,9 @@ class Sampling:
 
     def __post_init__(self) -> None:
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature > 0):
-            raise SamplingError(f"temperature must be a positive number, got {self.temperature!r}")
+                and self.temperature >= MIN_TEMPERATURE):
+            raise SamplingError(f"temperature must be a number >= {MIN_TEMPERATURE} (0 for greedy), "
+                                f"got {self.temperature!r}")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
                                        or self.top_k < 0):
             raise SamplingError(f"top_k must be a whole number >= 0, got {self.top_k!r}")
