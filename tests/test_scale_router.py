@@ -115,3 +115,25 @@ def test_tenants_spread_over_the_replicas():
     owners = Counter(router.owner(f"tenant-{i}") for i in range(2000))
     assert set(owners) == set(_names(4))
     assert all(0.12 < count / 2000 < 0.40 for count in owners.values()), owners
+
+
+def test_a_scaled_engine_refuses_with_503_reasons_when_it_cannot_take_jobs():
+    """Shutting down, or every replica dead: `Unavailable` (503 with its code), not `QueueFull`'s
+    429 "retry later"; a full queue stays a plain `QueueFull`."""
+    from recap.serve.engine import Job, NoReplica, QueueFull, ShuttingDown, Unavailable
+    from recap.serve.scale import ScaledEngine
+
+    engine = ScaledEngine({"r0": object()}, max_batch={"r0": 1}, max_queue=0)
+    job = Job(tenant="t", inputs=None, max_tokens=1, emit=lambda event: None)
+    try:
+        with pytest.raises(QueueFull) as full:
+            engine.submit(job)
+        assert not isinstance(full.value, Unavailable)
+        engine.dead.add("r0")
+        with pytest.raises(NoReplica):
+            engine.submit(job)
+        engine._accepting = False
+        with pytest.raises(ShuttingDown):
+            engine.submit(job)
+    finally:
+        engine._stop.set()

@@ -49,7 +49,7 @@ from recap.serve.chat import (
     parse_json_body,
     read_image_url,
 )
-from recap.serve.engine import Engine, Job, QueueFull, ShuttingDown
+from recap.serve.engine import Engine, Job, QueueFull, Unavailable
 from recap.serve.metrics import Metrics
 from recap.serve.tenants import TenantStreams, tenant_for, valid_tenant_name
 from recap.target import ModelInputs, TargetModel
@@ -422,8 +422,8 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
                       deadline=deadline, submitted=arrived)
             try:
                 engine.submit(job)
-            except ShuttingDown as error:
-                raise ApiError(503, str(error), type="server_error", code="shutting_down") from None
+            except Unavailable as error:
+                raise ApiError(503, str(error), type="server_error", code=error.code) from None
             except QueueFull as error:
                 raise ApiError(429, f"the server is busy: {error}; retry later", type="rate_limit_error",
                                code="queue_full", headers={"Retry-After": "1"}) from None

@@ -37,8 +37,22 @@ class QueueFull(Exception):
     """The queue holds ``max_queue`` waiting requests already."""
 
 
-class ShuttingDown(QueueFull):
-    """The engine refuses new jobs: it is shutting down (a 503, not a 429: retrying here is futile)."""
+class Unavailable(QueueFull):
+    """The engine cannot take any job now (a 503, not a 429: retrying here soon is futile)."""
+
+    code = "unavailable"
+
+
+class ShuttingDown(Unavailable):
+    """The engine refuses new jobs: it is shutting down."""
+
+    code = "shutting_down"
+
+
+class NoReplica(Unavailable):
+    """Every replica of a scaled engine has died."""
+
+    code = "no_replica"
 
 
 class IncrementalDetokenizer:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recap.errors import InputError
-from recap.serve.engine import Engine, Job, QueueFull
+from recap.serve.engine import Engine, Job, NoReplica, QueueFull, ShuttingDown
 from recap.serve.router import TenantRouter
 from recap.serve.shared import FINAL, SharedTenantStreams, locked_events
 
@@ -196,9 +196,9 @@ class ScaledEngine:
     def submit(self, job: Job) -> None:
         with self._lock:
             if not self._accepting:
-                raise QueueFull("the server is shutting down")
+                raise ShuttingDown("the server is shutting down")
             if not self.alive:
-                raise QueueFull("no replica is running")
+                raise NoReplica("no replica is running")
             if self.depth >= self.max_queue:
                 raise QueueFull(f"{self.depth} requests are already waiting")
             thread = threading.Thread(target=self._drive, args=(job,), name="recap-scale-request", daemon=True)
