@@ -28,7 +28,7 @@ from recap.errors import InputError
 from recap.images import synthetic_image
 from recap.serve import ServerConfig, create_app
 from recap.serve.chat import IMAGE_NOT_FOUND
-from recap.serve.tenants import TenantStreams, read_api_keys
+from recap.serve.tenants import TenantStreams, read_api_keys, tenant_for
 from tests.conftest import load_target
 from tests.test_serve import _data_url, serving
 
@@ -444,6 +444,15 @@ def test_tenant_names_that_could_leave_the_memory_folder_are_refused(name, tmp_p
     with pytest.raises(ValueError):
         TenantStreams("recap", target.vocab_size, memory).path(name)
     assert sorted(p.name for p in tmp_path.iterdir()) in (["memory"], ["keys", "memory"], [])
+
+
+def test_the_bearer_scheme_is_case_insensitive_and_the_key_is_not():
+    keys = {"key-of-alice-0001": "alice"}
+    for header in ("Bearer key-of-alice-0001", "bearer key-of-alice-0001", "BEARER  key-of-alice-0001 "):
+        assert tenant_for(keys, header) == "alice", header
+    for header in (None, "", "Bearer", "Bearer ", "Basic key-of-alice-0001", "Bearer KEY-OF-ALICE-0001",
+                   "Bearerkey-of-alice-0001", "Bearer key-of-alice-000"):
+        assert tenant_for(keys, header) is None, header
 
 
 def test_config_keys_are_checked_like_the_keys_file():

@@ -63,9 +63,10 @@ def tenant_for(keys: dict[str, str] | None, authorization: str | None) -> str | 
     server has no keys, None when the key is missing or unknown."""
     if keys is None:
         return DEFAULT_TENANT
-    if not authorization or not authorization.startswith("Bearer "):
+    scheme, _, credentials = (authorization or "").partition(" ")
+    if scheme.lower() != "bearer" or not credentials.strip():  # the scheme is case-insensitive (RFC 9110)
         return None
-    given = authorization[len("Bearer "):].strip().encode()
+    given = credentials.strip().encode()
     tenant = None
     for key, name in keys.items():
         if hmac.compare_digest(key.encode(), given):
