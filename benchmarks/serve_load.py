@@ -1,6 +1,7 @@
 """Throughput and latency of `recap serve` through its HTTP API, by method and concurrency.
 
-For each method a fresh server (in this process, a real uvicorn on 127.0.0.1) answers the
+For each method a fresh server (in this process, a real uvicorn on 127.0.0.1, the prefix cache
+emptied so no method prefills from rows an earlier one left) answers the
 same requests at each concurrency level, after an untimed warm-up: the first turns of MMSpec
 items, topics interleaved (text only; ``--model recap-demo-vlm`` takes held-out demo scenes
 with "Describe the image." instead). A method is ``NAME[:each][@B]``: ``:each`` makes every
@@ -174,6 +175,8 @@ def main() -> int:
     rows, mismatches = [], 0
     for replicas, spec in [(int(r), m) for r in args.replicas.split(",") for m in args.methods.split(",")]:
         label = spec if not replicas else f"{spec} x{replicas} replicas"
+        if getattr(target, "prefix_cache", None) is not None:
+            target.prefix_cache.clear()  # else a later method's prompts would prefill from an earlier one's rows
         app, server, thread, url = _run_server(target, args.model, spec, replicas=replicas, tenants=args.tenants,
                                                threads=args.threads, dtype=args.dtype)
 
@@ -217,7 +220,7 @@ def main() -> int:
             thread.join(60)
     meta = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "max_tokens": args.max_tokens,
             "requests_per_level": args.requests, "tenants": args.tenants, "replicas": args.replicas,
-            "warmup": args.warmup, "kernels": target.kernels,
+            "warmup": args.warmup, "kernels": target.kernels, "prefix_cache": "cleared before each method",
             "mismatches": mismatches}
     print("\n| method | concurrency | req/s | tok/s | P50 latency | P95 latency | tau | requests/step |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
