@@ -30,7 +30,7 @@ from typing import Any
 
 from PIL import Image
 
-from recap.target.sampling import MIN_TEMPERATURE, Sampling, SamplingError
+from recap.target.sampling import Sampling, SamplingError
 
 log = logging.getLogger("recap.serve")
 
@@ -187,10 +187,8 @@ def _sampling(body: dict) -> Sampling | None:
     """Every sampling field is type-checked even when greedy ignores it: a wrong type is a
     client bug worth reporting, whatever the temperature."""
     temperature, top_k, top_p, seed = (body.get(k) for k in ("temperature", "top_k", "top_p", "seed"))
-    if temperature is not None and (not _is_number(temperature) or temperature < 0
-                                    or 0 < temperature < MIN_TEMPERATURE):
-        raise ApiError(400, f"'temperature' must be 0 (greedy) or a number >= {MIN_TEMPERATURE}",
-                       code="invalid_sampling")
+    if temperature is not None and (not _is_number(temperature) or temperature < 0):
+        raise ApiError(400, "'temperature' must be a number >= 0", code="invalid_sampling")
     if top_k is not None and (not _is_int(top_k) or top_k < 0):
         raise ApiError(400, "'top_k' must be a whole number >= 0", code="invalid_sampling")
     if top_p is not None and (not _is_number(top_p) or not 0 < top_p <= 1):

@@ -72,10 +72,13 @@ def header_deadline_protocol(header_timeout: float = HEADER_TIMEOUT,
                 self._stalled = self.loop.call_later(write_timeout, self._not_reading)
 
         def resume_writing(self) -> None:
+            self._unstall()
+            super().resume_writing()
+
+        def _unstall(self) -> None:
             if self._stalled is not None:
                 self._stalled.cancel()
                 self._stalled = None
-            super().resume_writing()
 
         def _not_reading(self) -> None:
             """abort, not close: close would wait to flush the buffer the client never reads;
@@ -85,9 +88,7 @@ def header_deadline_protocol(header_timeout: float = HEADER_TIMEOUT,
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
-            if self._stalled is not None:
-                self._stalled.cancel()
-                self._stalled = None
+            self._unstall()
             super().connection_lost(exc)
 
     return HeaderDeadlineProtocol
