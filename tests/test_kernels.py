@@ -9,12 +9,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba import njit
 
 import recap
 from recap.core import DraftTree
 from recap.errors import InputError
 from recap.target.kernels import linear as kernel_linear
-from recap.target.kernels import unsupported
+from recap.target.kernels import ops, unsupported
+from recap.target.kernels.exp import exp32
 from recap.target.kernels.linear import FLOAT16_TABLE, Linear, padded_rows
 from recap.target.profile import profile_key
 from tests.conftest import TINY_MODELS, load_target
@@ -95,14 +97,18 @@ def test_linear_rows_do_not_depend_on_their_neighbours(rows, out_features, in_fe
     bits = weight.numpy() if dtype == "float32" else weight.view(torch.int16).numpy().view(np.uint16)
     layer = Linear(bits, rng.standard_normal(out_features).astype(np.float32) if bias else None,
                    float16=dtype == "float16")
-    x = np.zeros((padded_rows(rows), in_features), np.float32)
+    x = np.zeros((padded_rows(rows) if layer.two_rows else -(-rows // 4) * 4, in_features), np.float32)
     x[:rows] = rng.standard_normal((rows, in_features), dtype=np.float32)
     out = layer(x, np.zeros((len(x), out_features), np.float32), len(x))
+    assert layer.two_rows == (out_features % 8 == 0)  # the machine check passes here
     for row in range(rows):
         single = np.zeros((4, in_features), np.float32)
         single[row % 4] = x[row]  # any slot of the 4-row block
         alone = layer(single, np.zeros((4, out_features), np.float32), 4)[row % 4]
         assert np.array_equal(alone, out[row])
+        if layer.two_rows:  # and any slot of the 2-row block
+            pair = single[:2] if row % 4 < 2 else single[2:]
+            assert np.array_equal(layer(pair, np.zeros((2, out_features), np.float32), 2)[row % 2], out[row])
     expected = x[:rows].astype(np.float64) @ weight.double().numpy().T + (layer.bias if bias else 0)
     np.testing.assert_allclose(out[:rows], expected, rtol=1e-4, atol=1e-4 * in_features)
 
@@ -111,7 +117,71 @@ def test_float16_table_is_exact():
     patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     finite = np.isfinite(patterns.view(np.float16))
     assert np.array_equal(FLOAT16_TABLE[finite], patterns.view(np.float16)[finite].astype(np.float32))
-    assert kernel_linear.ROW_BLOCK == 4 and padded_rows(1) == 4 and padded_rows(5) == 8
+    assert kernel_linear.ROW_BLOCK == 4 and padded_rows(1) == padded_rows(2) == 2 and padded_rows(5) == 8
+    assert padded_rows(3) == 4
+
+
+def test_a_two_row_block_with_other_arithmetic_is_refused(monkeypatch):
+    """The machine check of the 2-row block must fail for a block that sums in another order
+    (float64, then rounded), and such a layer then pads 1-2 rows to 4."""
+    def float64_block(x, w, bias, out):
+        out[:2] = (x[:2].astype(np.float64) @ w.astype(np.float64).T + bias).astype(np.float32)
+
+    check = kernel_linear.small_rows_exact.__wrapped__
+    assert check(96, "float32") and check(96, "bfloat16") and check(37, "float16")
+    monkeypatch.setattr(kernel_linear, "linear2_f32", float64_block)
+    monkeypatch.setattr(kernel_linear, "small_rows_exact", check)
+    assert not check(96, "float32")
+    layer = Linear(np.ones((16, 96), np.float32), None)
+    assert not layer.two_rows
+    with pytest.raises(ValueError):
+        layer(np.ones((2, 96), np.float32), np.zeros((2, 16), np.float32), 2)
+    out = layer(np.ones((4, 96), np.float32), np.zeros((4, 16), np.float32), 2)  # computed as 4 rows
+    assert np.array_equal(out[:2], np.full((2, 16), 96, np.float32))
+
+
+# ----------------------------------------------------------------------------- exp and SiLU
+@njit(cache=True)
+def _exp_all(x, out):  # pragma: no cover - compiled
+    for i in range(x.shape[0]):  # a loop LLVM vectorises, with a scalar remainder
+        out[i] = exp32(x[i])
+
+
+def test_exp32_is_accurate_to_about_one_ulp():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([np.linspace(-87, 88.7, 400_001, dtype=np.float32),
+                        rng.standard_normal(100_000).astype(np.float32) * 4])
+    out = np.empty_like(x)
+    _exp_all(x, out)
+    exact = np.exp(x.astype(np.float64))
+    normal = (exact > 3e-38) & (exact < 3.4e38)
+    ulps = np.abs(out[normal] - exact[normal]) / np.spacing(exact[normal].astype(np.float32))
+    assert ulps.max() <= 1.5 and ulps.mean() < 0.5
+    edges = np.array([-np.inf, -1e4, -88.0, 88.8, 1e4, np.inf, 0.0], np.float32)
+    _exp_all(edges, got := np.empty_like(edges))
+    assert got.tolist() == [0.0, 0.0, 0.0, np.inf, np.inf, np.inf, 1.0]
+
+
+@settings(max_examples=20, deadline=None)
+@given(length=st.integers(1, 70), place=st.integers(0, 69), seed=st.integers(0, 99))
+def test_exp_and_silu_do_not_depend_on_where_a_value_sits(length, place, seed):
+    """Vector lanes and the scalar remainder compute the same bits, so a row's SiLU (and a
+    score's exp) is the same whatever the row's length, neighbours or position."""
+    rng = np.random.default_rng(seed)
+    place = place % length
+    x = rng.standard_normal(length).astype(np.float32) * 6
+    out = np.empty_like(x)
+    _exp_all(x, out)
+    alone = np.empty(1, np.float32)
+    _exp_all(x[place:place + 1], alone)
+    assert alone[0].tobytes() == out[place].tobytes()
+    gate, up = x.reshape(1, -1).copy(), np.full((1, length), 0.5, np.float32)
+    ops.silu_mul(gate, up, 1)
+    one_gate = x[place:place + 1].reshape(1, 1).copy()
+    ops.silu_mul(one_gate, np.full((1, 1), 0.5, np.float32), 1)
+    assert one_gate[0, 0].tobytes() == gate[0, place].tobytes()
+    expected = x.astype(np.float64) / (1 + np.exp(-x.astype(np.float64))) * 0.5
+    np.testing.assert_allclose(gate[0], expected, rtol=1e-6, atol=1e-30)
 
 
 # ----------------------------------------------------------------------------- against stock

@@ -34,6 +34,7 @@ import torch
 from recap.core.cost import DEFAULT_SIZES, PROFILE_VERSION, CostProfile, ProfileError
 from recap.core.tree import ROOT, DraftTree
 from recap.errors import InputError
+from recap.target.kernels import KERNELS_REVISION
 
 if TYPE_CHECKING:
     from recap.target.base import MeasuringSession, TargetModel
@@ -41,10 +42,11 @@ if TYPE_CHECKING:
 DEFAULT_CONTEXTS = (128, 1024)
 """Context lengths measured: two, so the growth of t(N) with the cached prefix is known."""
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64)
-FAST_SIZES = (1, 2, 4, 5, 8, 9, 12, 13, 16, 17, 24, 25, 32, 33, 48, 49, 64, 96, 128)
-FAST_QUICK_SIZES = (1, 4, 5, 8, 9, 16, 17, 32, 33, 64)
-"""On the fast kernels a step's cost jumps at each 4-row block (5 packed tokens cost what 8
-cost): sizes on both sides of block boundaries, so interpolation does not smooth the steps."""
+FAST_SIZES = (1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 24, 25, 32, 33, 48, 49, 64, 96, 128)
+FAST_QUICK_SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64)
+"""On the fast kernels a step's cost jumps at each row block (1-2 packed tokens run as 2
+rows, 3-4 as 4, 5-8 as 8, ...): sizes on both sides of block boundaries, so interpolation does
+not smooth the steps."""
 """Beyond 64 the profile extrapolates the 32-64 slope."""
 REPEATS = 4
 QUICK_REPEATS = 3
@@ -71,6 +73,7 @@ def profile_key(target: TargetModel) -> dict:
     return {"model": target.name, "params": sum(p.numel() for p in target.model.parameters()),
             "dtype": str(target.dtype).removeprefix("torch."),
             "kernels": target.kernels, "threads": torch.get_num_threads(),
+            "kernels_revision": KERNELS_REVISION if target.kernels == "fast" else 0,
             "device": str(device), "gpu": gpu, "cpu": _cpu_model(), "torch": torch.__version__,
             "transformers": transformers.__version__, "version": PROFILE_VERSION}
 

@@ -19,7 +19,7 @@ import torch
 from recap.target.kernels import ops
 from recap.target.kernels.args import DecoderArgs, language_model
 from recap.target.kernels.cache import KVCache
-from recap.target.kernels.linear import Linear, padded_rows
+from recap.target.kernels.linear import ROW_BLOCK, Linear, padded_rows
 
 
 def _weight(tensor: torch.Tensor) -> np.ndarray:
@@ -52,12 +52,16 @@ class _Layer:
     up: Linear
     down: Linear
 
+    def linears(self) -> tuple[Linear, ...]:
+        return self.q, self.k, self.v, self.o, self.gate, self.up, self.down
+
 
 class _Buffers:
-    """Activations for steps of up to ``rows`` (padded) rows; rebuilt larger when needed."""
+    """Activations for steps of up to ``rows`` (padded) rows; rebuilt larger when needed.
+    Never fewer than 4 rows: a layer without a 2-row block computes 2-row steps as 4."""
 
     def __init__(self, args: DecoderArgs, rows: int):
-        self.rows = rows
+        self.rows = rows = max(rows, ROW_BLOCK)
         q_width, kv_width = args.heads * args.head_dim, args.kv_heads * args.head_dim
 
         def zeros(width: int) -> np.ndarray:
@@ -90,6 +94,10 @@ class FastDecoder:
                 gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj)))
         self.norm = _vector(decoder.norm.weight)
         self.head = _linear(model.get_output_embeddings())
+        self.two_rows = [linear.two_rows for layer in self.layers for linear in layer.linears()] + [
+            self.head.two_rows]
+        """Per linear layer: whether its 1- and 2-row steps run on the 2-row block (where its
+        width is a multiple of 8 and `linear.small_rows_exact` holds), else on 4 rows."""
         self.eps = float(getattr(decoder.norm, "variance_epsilon", args.eps))
         self.scale = float(getattr(decoder.layers[0].self_attn, "scaling", args.head_dim ** -0.5))
         self._cos = self._sin = np.zeros((0, args.head_dim), np.float32)

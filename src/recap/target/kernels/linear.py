@@ -3,18 +3,25 @@
 Why our own: stock ``F.linear`` on CPU picks its blocking from the batch size, so row 0 of an
 8-row product is not bit-identical to the 1-row product, and 2 rows cost ~1.6x one. Here:
 
-- **One compiled loop for every M.** ``x`` is padded to a multiple of `ROW_BLOCK` rows and
-  every output element goes through the same 4x4 register block (4 weight rows x 4 token
-  rows, a dot product over K vectorised by LLVM). The 4 weight rows are q, q + N/4, q + N/2,
-  q + 3N/4: four long sequential streams through the matrix, which the hardware prefetcher
+- **One dot product for every M.** Every output element is one dot product over K that LLVM
+  vectorises the same way in each register block: one vector accumulator per element
+  (``fastmath`` allows reassociation and FMA *within* that loop), then the same horizontal
+  sum. Steps of 3 or more rows are padded to a multiple of `ROW_BLOCK` and go through a 4x4
+  block (4 weight rows x 4 token rows); steps of 1 or 2 rows go through an 8x2 block (8
+  weight rows x 2 token rows), which reads each weight once for 2 rows instead of computing
+  3 padding rows: a 1-row step's linear layers take about 12% less time (SmolLM2, one core,
+  `benchmarks/step_profile.py`). Both blocks hold 16 accumulators, and their weight rows are
+  spread over the matrix (q, q + N/4, ...): long sequential streams the hardware prefetcher
   follows (4 adjacent rows, read in parallel, cost 1.5x as much from DRAM on a 2-core EPYC).
-  The reduction order is whatever LLVM made of that one loop (``fastmath`` allows
-  reassociation and FMA *within* it), identical for every element, every M and every
-  neighbour row: batch-invariant by construction.
-- **Weights read once per 4 token rows**, in the model's own layout (N, K) and dtype, so
-  1-8 rows cost about what the weight bytes cost to stream (memory-bound, not flop-bound).
+- **Checked on the machine, not assumed.** That both blocks compile to the same arithmetic
+  is LLVM's choice, so `small_rows_exact` compares them bit for bit for each input width a
+  model uses before the 2-row block is used (`FastDecoder` calls it); where they differ, every
+  step is padded to 4 rows as before. The row count never changes an element's bits.
+- **Weights read once per block of token rows**, in the model's own layout (N, K) and dtype,
+  so 1-8 rows cost about what the weight bytes cost to stream plus the arithmetic (the two
+  do not overlap on this core: docs/kernels.md).
 - bfloat16 / float16 weights are widened to float32 (exactly: every 16-bit float is a
-  float32) one 4-row block at a time; accumulation is float32.
+  float32) one block of weight rows at a time; accumulation is float32.
 
 Threads: the output columns are split across numba's threads (``prange``), each column's
 arithmetic unchanged, so the result does not depend on the thread count either.
@@ -22,20 +29,28 @@ arithmetic unchanged, so the result does not depend on the thread count either.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit, prange
 
 ROW_BLOCK = 4
-"""Token rows computed together; callers pad M up to a multiple of this."""
+"""Token rows computed together; callers pad M > 2 up to a multiple of this."""
 COL_BLOCK = 4
 """Weight rows (output columns) computed together."""
+SMALL_ROWS = 2
+"""Steps of at most this many rows use the 8x2 block (padded to 2 rows)."""
+SMALL_COL_BLOCK = 8
+"""Weight rows computed together by the 8x2 block."""
 CHUNK = 8
 """Column blocks per parallel task: a task allocates its widening scratch once."""
 FASTMATH = {"reassoc", "contract"}
 
 
 def padded_rows(m: int) -> int:
-    """Rows of the buffers an M-row step uses."""
+    """Rows an M-row step computes: 2 for M <= 2, else M rounded up to a multiple of 4."""
+    if m <= SMALL_ROWS:
+        return SMALL_ROWS
     return -(-m // ROW_BLOCK) * ROW_BLOCK
 
 
@@ -133,6 +148,78 @@ def _block1(x, m0, w0, out, n, bias):  # pragma: no cover - compiled
     out[m0 + 3, n] = a3
 
 
+@njit(fastmath=FASTMATH, inline="always")
+def _block8x2(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
+    # x: (>= 2, K) f32; weight rows r0 + j * rs (j < 8) of w: (N', K) f32 into output columns
+    # c0 + j * cs of out: (>= 2, N) f32; bias: (N,) f32 or (0,). Same dot product as _block4.
+    x0 = x[0]
+    x1 = x[1]
+    w0, w1, w2, w3 = w[r0], w[r0 + rs], w[r0 + 2 * rs], w[r0 + 3 * rs]
+    w4, w5, w6, w7 = w[r0 + 4 * rs], w[r0 + 5 * rs], w[r0 + 6 * rs], w[r0 + 7 * rs]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0)
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.float32(0)
+    for k in range(x.shape[1]):
+        p = x0[k]
+        r = x1[k]
+        u = w0[k]
+        a0 += p * u
+        b0 += r * u
+        u = w1[k]
+        a1 += p * u
+        b1 += r * u
+        u = w2[k]
+        a2 += p * u
+        b2 += r * u
+        u = w3[k]
+        a3 += p * u
+        b3 += r * u
+        u = w4[k]
+        a4 += p * u
+        b4 += r * u
+        u = w5[k]
+        a5 += p * u
+        b5 += r * u
+        u = w6[k]
+        a6 += p * u
+        b6 += r * u
+        u = w7[k]
+        a7 += p * u
+        b7 += r * u
+    if bias.shape[0]:
+        a0 += bias[c0]
+        b0 += bias[c0]
+        a1 += bias[c0 + 1 * cs]
+        b1 += bias[c0 + 1 * cs]
+        a2 += bias[c0 + 2 * cs]
+        b2 += bias[c0 + 2 * cs]
+        a3 += bias[c0 + 3 * cs]
+        b3 += bias[c0 + 3 * cs]
+        a4 += bias[c0 + 4 * cs]
+        b4 += bias[c0 + 4 * cs]
+        a5 += bias[c0 + 5 * cs]
+        b5 += bias[c0 + 5 * cs]
+        a6 += bias[c0 + 6 * cs]
+        b6 += bias[c0 + 6 * cs]
+        a7 += bias[c0 + 7 * cs]
+        b7 += bias[c0 + 7 * cs]
+    out[0, c0] = a0
+    out[1, c0] = b0
+    out[0, c0 + 1 * cs] = a1
+    out[1, c0 + 1 * cs] = b1
+    out[0, c0 + 2 * cs] = a2
+    out[1, c0 + 2 * cs] = b2
+    out[0, c0 + 3 * cs] = a3
+    out[1, c0 + 3 * cs] = b3
+    out[0, c0 + 4 * cs] = a4
+    out[1, c0 + 4 * cs] = b4
+    out[0, c0 + 5 * cs] = a5
+    out[1, c0 + 5 * cs] = b5
+    out[0, c0 + 6 * cs] = a6
+    out[1, c0 + 6 * cs] = b6
+    out[0, c0 + 7 * cs] = a7
+    out[1, c0 + 7 * cs] = b7
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def linear_f32(x, w, bias, out, rows):  # pragma: no cover - compiled
     """x: (Mp, K) f32, w: (N, K) f32, bias: (N,) or (0,) f32, out: (Mp, N) f32; the first
@@ -182,6 +269,30 @@ def linear_u16(x, w, table, bias, out, rows):  # pragma: no cover - compiled
             _block1(x, m0, scratch[0], out, n, bias)
 
 
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+def linear2_f32(x, w, bias, out):  # pragma: no cover - compiled
+    """`linear_f32` for steps of 1 or 2 rows: x: (>= 2, K) f32, out: (>= 2, N) f32, N a
+    multiple of 8; output columns q, q + N/8, ..., q + 7N/8 computed together."""
+    eighth = w.shape[0] // SMALL_COL_BLOCK
+    tasks = -(-eighth // CHUNK)
+    for task in prange(tasks):
+        for q in range(task * CHUNK, min(eighth, (task + 1) * CHUNK)):
+            _block8x2(x, w, q, eighth, out, q, eighth, bias)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+def linear2_u16(x, w, table, bias, out):  # pragma: no cover - compiled
+    """`linear2_f32` for 16-bit float weights (see `_widen`)."""
+    eighth = w.shape[0] // SMALL_COL_BLOCK
+    tasks = -(-eighth // CHUNK)
+    for task in prange(tasks):
+        scratch = np.empty((SMALL_COL_BLOCK, w.shape[1]), np.float32)
+        for q in range(task * CHUNK, min(eighth, (task + 1) * CHUNK)):
+            for r in range(SMALL_COL_BLOCK):
+                _widen(w, q + r * eighth, table, scratch[r])
+            _block8x2(x, scratch, 0, 1, out, q, eighth, bias)
+
+
 FLOAT16_TABLE = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 """Every float16 bit pattern as float32 (exact)."""
 NO_TABLE = np.zeros(0, np.float32)
@@ -189,7 +300,7 @@ NO_BIAS = np.zeros(0, np.float32)
 
 
 class Linear:
-    """One weight matrix in the model's own storage, ready for `linear_f32` / `linear_u16`."""
+    """One weight matrix in the model's own storage, ready for the kernels above."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray | None, *, float16: bool = False):
         # weight: (N, K) float32 (a view of the model's tensor) or uint16 bit patterns
@@ -197,11 +308,52 @@ class Linear:
         self.bias = NO_BIAS if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
         self.table = FLOAT16_TABLE if float16 else NO_TABLE
         self.out_features, self.in_features = weight.shape
+        kind = "float32" if weight.dtype == np.float32 else "float16" if float16 else "bfloat16"
+        self.two_rows = self.out_features % SMALL_COL_BLOCK == 0 and small_rows_exact(self.in_features, kind)
+        """Whether 1- and 2-row steps may use the 8x2 block (else they are padded to 4 rows)."""
 
     def __call__(self, x: np.ndarray, out: np.ndarray, rows: int) -> np.ndarray:
-        """``out[:rows] = x[:rows] @ weight.T + bias``; ``rows`` a multiple of `ROW_BLOCK`."""
-        if self.weight.dtype == np.float32:
+        """``out[:rows] = x[:rows] @ weight.T + bias``; ``rows`` a multiple of `ROW_BLOCK`, or
+        `SMALL_ROWS`. A layer without `two_rows` computes a 2-row step as 4 rows, so then ``x``
+        and ``out`` need 4 rows."""
+        if rows == SMALL_ROWS and not self.two_rows:
+            if len(x) < ROW_BLOCK or len(out) < ROW_BLOCK:
+                raise ValueError("this layer has no 2-row kernel: x and out need 4 rows")
+            rows = ROW_BLOCK
+        if rows == SMALL_ROWS:
+            if self.weight.dtype == np.float32:
+                linear2_f32(x, self.weight, self.bias, out)
+            else:
+                linear2_u16(x, self.weight, self.table, self.bias, out)
+        elif self.weight.dtype == np.float32:
             linear_f32(x, self.weight, self.bias, out, rows)
         else:
             linear_u16(x, self.weight, self.table, self.bias, out, rows)
         return out
+
+
+@functools.cache
+def small_rows_exact(in_features: int, kind: str = "float32") -> bool:
+    """Whether the 8x2 block gives, bit for bit, what the 4x4 block gives for dot products
+    of length ``in_features`` on this machine (``kind``: the weights' dtype name), checked on
+    random numbers. Both compile to the same arithmetic where LLVM vectorises both loops alike;
+    this is the check that they did, so the 2-row block can never change a result."""
+    rng = np.random.default_rng(in_features)
+    weight = rng.standard_normal((2 * SMALL_COL_BLOCK, in_features), dtype=np.float32)
+    if kind == "float32":
+        stored, table = weight, NO_TABLE
+    elif kind == "float16":
+        stored, table = weight.astype(np.float16).view(np.uint16), FLOAT16_TABLE
+    else:
+        stored, table = (weight.view(np.uint32) >> 16).astype(np.uint16), NO_TABLE
+    bias = rng.standard_normal(len(weight), dtype=np.float32)
+    x = rng.standard_normal((ROW_BLOCK, in_features), dtype=np.float32)
+    four = np.zeros((ROW_BLOCK, len(weight)), np.float32)
+    two = np.zeros((SMALL_ROWS, len(weight)), np.float32)
+    if kind == "float32":
+        linear_f32(x, stored, bias, four, ROW_BLOCK)
+        linear2_f32(x, stored, bias, two)
+    else:
+        linear_u16(x, stored, table, bias, four, ROW_BLOCK)
+        linear2_u16(x, stored, table, bias, two)
+    return four[:SMALL_ROWS].tobytes() == two.tobytes()

@@ -3,13 +3,17 @@
 Each works on one row (or one (row, head) pair) at a time with a fixed order of operations,
 so a row's result never depends on the other rows of the step. Only dot products over a
 contiguous vector may be vectorised (``fastmath`` reassociation inside `_dot`, one
-compiled loop for every call); softmax, RoPE and SiLU keep IEEE order.
+compiled loop for every call); softmax, RoPE and SiLU keep IEEE order, and their ``exp`` is
+`exp32`, which vectorises. ``error_model="numpy"`` lets divisions vectorise too (a float
+division by zero gives inf instead of raising, which none of these can meet anyway).
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit, prange
+
+from recap.target.kernels.exp import exp32
 
 FASTMATH = {"reassoc", "contract"}
 
@@ -59,13 +63,13 @@ def rope(x, heads, cos, sin, rows):  # pragma: no cover - compiled
                 x[i, base + half + d] = hi * c[half + d] + lo * s[half + d]
 
 
-@njit(cache=True, nogil=True)
+@njit(cache=True, nogil=True, error_model="numpy")
 def silu_mul(gate, up, rows):  # pragma: no cover - compiled
     """gate[i] = silu(gate[i]) * up[i] in place, silu(g) = g / (1 + exp(-g))."""
     for i in range(rows):
         for c in range(gate.shape[1]):
             g = gate[i, c]
-            gate[i, c] = g / (np.float32(1.0) + np.exp(-g)) * up[i, c]
+            gate[i, c] = g / (np.float32(1.0) + exp32(-g)) * up[i, c]
 
 
 @njit(cache=True, nogil=True)
@@ -86,7 +90,7 @@ def _key_slot(j, past, ancestors, first):  # pragma: no cover - compiled
     return past + ancestors[first + j - past]
 
 
-@njit(parallel=True, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
 def tree_attention(q, keys, values, past, starts, ancestors, scale, out, rows):  # pragma: no cover - compiled
     """Each packed node attends to the cached prefix and to its own path, in position order.
 
@@ -99,9 +103,11 @@ def tree_attention(q, keys, values, past, starts, ancestors, scale, out, rows): 
     heads = q.shape[1] // dim
     groups = heads // kv_heads
     for task in prange(rows * heads):
-        i = task // heads
-        h = task % heads
-        g = h // groups
+        # kv head first: the (row, query head) pairs reading one kv head's keys and values
+        # run back to back while those are in cache (the order changes no arithmetic)
+        g = task // (rows * groups)
+        i = task % (rows * groups) // groups
+        h = g * groups + task % groups
         first = starts[i]
         length = past + starts[i + 1] - first
         query = q[i, h * dim : (h + 1) * dim]
@@ -111,11 +117,12 @@ def tree_attention(q, keys, values, past, starts, ancestors, scale, out, rows): 
             s = _dot(query, keys[g, _key_slot(j, past, ancestors, first)]) * np.float32(scale)
             scores[j] = s
             top = max(top, s)
+        peak = np.float32(top)
+        for j in range(length):  # vectorised
+            scores[j] = exp32(scores[j] - peak)
         total = np.float32(0)
-        for j in range(length):
-            e = np.exp(scores[j] - np.float32(top))
-            scores[j] = e
-            total += e
+        for j in range(length):  # in key order, as a plain step sums them
+            total += scores[j]
         acc = np.zeros(dim, np.float32)
         for j in range(length):
             p = scores[j] / total
