@@ -525,7 +525,7 @@ def _demo_vlm_memory(args: argparse.Namespace) -> int:
 
 
 def _add_serve(commands) -> None:
-    serve = commands.add_parser("serve", help="an OpenAI-compatible chat-completions server (one request at a time)")
+    serve = commands.add_parser("serve", help="an OpenAI-compatible chat-completions server (continuous batching)")
     serve.add_argument("--model", required=True,
                        help=f"built-in name ({', '.join(BUILTIN)}) or a local Hugging Face model folder")
     serve.add_argument("--host", default="127.0.0.1",

@@ -1,7 +1,7 @@
 """``recap serve``: an OpenAI-compatible chat-completions server around one target model.
 
 `chat` parses requests and shapes responses, `tenants` maps keys to tenants and their
-memories, `engine` decodes one request at a time from a FIFO queue, `app` is the FastAPI
+memories, `engine` steps every admitted request in one batched forward (continuous batching), `app` is the FastAPI
 application, `metrics` its Prometheus counters; ``playground.html`` is the page at ``/``.
 ``recap serve --replicas``: `scale` (the only module that imports Ray) runs `engine`s as Ray
 replicas behind the same app, `router` picks a tenant's replica, `shared` keeps the memory
