@@ -101,6 +101,34 @@ def test_garbage_is_a_profile_error(text):
         CostProfile.from_json(text)
 
 
+def test_a_blocked_profile_is_a_staircase():
+    # The fast kernels compute 33..36 packed tokens as 36 rows: a grid point at 33 prices
+    # the whole block, and the next block starts at 37 (interpolated towards 48, the next
+    # point's block). Without blocks the same grid is a straight line from 33 to 48.
+    grid = dict(sizes=[1, 2, 4, 5, 33, 48], contexts=[0], times=[[1.0, 1.1, 1.2, 1.6, 5.0, 8.0]])
+    blocked, plain = CostProfile(**grid, row_block=4), CostProfile(**grid)
+    assert blocked.predict([33, 34, 35, 36]) == pytest.approx([5.0] * 4)
+    assert blocked.predict([37, 40]) == pytest.approx([6.0, 6.0])  # 40 rows: a third of 36 -> 48
+    assert blocked.predict([1, 2, 3, 4, 5, 8]) == pytest.approx([1.0, 1.1, 1.2, 1.2, 1.6, 1.6])
+    assert plain.predict(36) == pytest.approx(5.6) and plain.predict(3) == pytest.approx(1.15)
+    again = CostProfile.from_json(blocked.to_json())
+    assert again.row_block == 4 and again.predict(35) == pytest.approx(5.0)
+    with pytest.raises(ProfileError):
+        CostProfile(**grid, row_block=0)
+
+
+def test_profiles_of_the_fast_kernels_are_blocked(tmp_path):
+    # A file saved before the field existed is read as blocked when it was measured on the
+    # fast kernels (their padding is what the staircase is), as a plain grid otherwise.
+    for kernels, block in (("fast", 4), ("stock", 1)):
+        data = grid().to_dict()
+        data.pop("row_block")
+        data["key"] = {"kernels": kernels}
+        path = tmp_path / f"{kernels}.json"
+        path.write_text(json.dumps(data))
+        assert profiles.read_profile(path).row_block == block
+
+
 def test_observe_moves_the_prediction_towards_observed_times():
     profile = CostProfile(sizes=[1, 8, 64], contexts=[0], times=[[1.0, 2.0, 5.0]])
     for _ in range(30):
@@ -221,6 +249,7 @@ def test_measure_profile_times_every_size():
     assert profile.times.shape == (2, 3) and profile.source == "measured"
     assert np.all(np.isfinite(profile.times)) and np.all(profile.times > 0)
     assert profile.key == profiles.profile_key(target) and target.cache is None
+    assert profile.row_block == (4 if target.kernels == "fast" else 1)  # the fast kernels' row padding
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)

@@ -9,6 +9,12 @@ committed), and the step costs t(1 + N) (root included). The chosen size maximis
 
     (1 + sum of the first N path probabilities) / t(1 + N),   N = 0 (a plain step) included.
 
+Near the request's end the step is not one of many alike: a path that reaches the last token
+the request may commit saves the whole next step when it is accepted, which the per-step
+rate does not see (`_best_size_to_end` credits it). On a cost curve that is near linear past
+a few rows this is what lets a long exact repeat finish in one step instead of leaving two
+tokens for a third.
+
 Numpy over at most a few hundred nodes: tens of microseconds.
 """
 
@@ -90,6 +96,33 @@ def _best_size(sorted_path, curve, n_max, base=1.0):
     for k in range(1, n_max + 1):
         expected += sorted_path[k - 1]
         value = expected / curve[k]
+        if value > best_value:
+            best_value = value
+            best = k
+    return best
+
+
+@njit(cache=True)
+def _best_size_to_end(sorted_path, finishes, curve, n_max, plain_best):
+    """`_best_size` for a step that can finish the request: a node that ``finishes`` (its
+    depth is all the request still needs) saves, when its whole path is accepted, the next
+    step outright. That step would cost at least t(1) = curve[0] and commit its own bonus
+    token, so finishing is worth ``r * t(1) - 1`` extra tokens at this step's best plain rate
+    r, weighted by the best finishing node's path probability among the first N."""
+    rate = 1.0
+    for k in range(plain_best):
+        rate += sorted_path[k]
+    rate /= curve[plain_best]
+    bonus = max(0.0, rate * curve[0] - 1.0)
+    best = 0
+    expected = 1.0
+    best_value = expected / curve[0]
+    end_prob = 0.0
+    for k in range(1, n_max + 1):
+        expected += sorted_path[k - 1]
+        if finishes[k - 1] and end_prob == 0.0:  # sorted: the first finishing node is the likeliest
+            end_prob = sorted_path[k - 1]
+        value = (expected + end_prob * bonus) / curve[k]
         if value > best_value:
             best_value = value
             best = k
@@ -269,13 +302,21 @@ def rank(candidates: Candidates, cap: int | None = None, max_depth: int | None =
 
 
 def choose(candidates: Candidates, cost: CostProfile | None, context_len: int,
-           cap: int | None = None, max_depth: int | None = None) -> tuple[DraftTree, ChosenTree]:
+           cap: int | None = None, max_depth: int | None = None,
+           end_aware: bool = True) -> tuple[DraftTree, ChosenTree]:
     """The draft tree for this step (see the module docstring) and what to learn from;
-    nodes deeper than ``max_depth`` (what the request can still use) are never drafted."""
+    nodes deeper than ``max_depth`` (what the request can still use) are never drafted, and
+    with ``end_aware`` a node at exactly that depth is credited with the step it saves."""
     ranked = rank(candidates, cap, max_depth)
     n_max = len(ranked.order)
-    size = n_max if cost is None or n_max == 0 else \
-        int(_best_size(ranked.gains, cost.curve(n_max + 1, context_len), n_max))
+    if cost is None or n_max == 0:
+        return ranked.take(n_max)
+    gains, curve = ranked.gains, cost.curve(n_max + 1, context_len)
+    size = int(_best_size(gains, curve, n_max))
+    if end_aware and max_depth is not None:
+        finishes = candidates.depths[ranked.order] == max_depth
+        if finishes.any():
+            size = int(_best_size_to_end(gains, finishes, curve, n_max, size))
     return ranked.take(size)
 
 

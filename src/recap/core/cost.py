@@ -47,6 +47,10 @@ class CostProfile:
     """``measured``, ``flat``, ``file`` or ``default``."""
     correction_rate: float = 0.1
     """Weight of one observed verification in the running per-size correction."""
+    row_block: int = 1
+    """Packed sizes past 2 are computed in blocks of this many rows (the fast kernels pad a
+    step to a multiple of 4): the cost is then a staircase, the same for every size of one
+    block, and the grid is read as the cost of each measured size's whole block (1: none)."""
 
     def __post_init__(self) -> None:
         self.sizes = np.asarray(self.sizes, dtype=np.float64).reshape(-1)
@@ -61,6 +65,8 @@ class CostProfile:
             raise ProfileError("sizes and contexts must be strictly increasing, sizes from 1 up")
         if not np.all(np.isfinite(self.times)) or np.any(self.times <= 0):
             raise ProfileError("times must be finite and positive")
+        if not isinstance(self.row_block, (int, np.integer)) or self.row_block < 1:
+            raise ProfileError(f"row_block must be a positive integer, got {self.row_block!r}")
         self._correction = np.ones(s, dtype=np.float64)
         self._floor = float(self.times.min())
         self._observed = 0
@@ -85,13 +91,30 @@ class CostProfile:
         """Predicted seconds for each packed size in ``n_packed`` at ``context_len`` cached
         tokens, with the online correction applied."""
         n = np.asarray(n_packed, dtype=np.float64)
-        per_context = np.array([_interp_extrap(n, self.sizes, row) for row in self.times])
+        sizes, times = self._block_grid()
+        per_context = np.array([_interp_extrap(self._blocked(n), sizes, row) for row in times])
         if len(self.contexts) == 1:
             base = per_context[0]
         else:
             base = _interp_rows(float(context_len), self.contexts, per_context)
         correction = np.interp(n, self.sizes, self._correction)
         return np.maximum(base * correction, self._floor * 1e-3)
+
+    def _blocked(self, n: np.ndarray) -> np.ndarray:
+        """The rows a step of ``n`` packed tokens computes (``row_block`` padding past 2)."""
+        block = self.row_block
+        return n if block == 1 else np.where(n > 2, np.ceil(n / block) * block, n)
+
+    def _block_grid(self) -> tuple[np.ndarray, np.ndarray]:
+        """The grid by computed rows: sizes of one block merge into one point, the slowest
+        measurement of the block (so 33 and 36 packed tokens cost what 33 measured)."""
+        if self.row_block == 1:
+            return self.sizes, self.times
+        rows = self._blocked(self.sizes)
+        unique, index = np.unique(rows, return_inverse=True)
+        times = np.full((len(self.contexts), len(unique)), -np.inf)
+        np.maximum.at(times, (slice(None), index), self.times)
+        return unique, times
 
     def curve(self, max_packed: int, context_len: int = 0) -> np.ndarray:
         """``predict(1 .. max_packed)``, reused while the context length stays within the same
@@ -121,7 +144,7 @@ class CostProfile:
     def to_dict(self) -> dict:
         return {"version": PROFILE_VERSION, "key": self.key, "source": self.source,
                 "sizes": self.sizes.astype(int).tolist(), "contexts": self.contexts.astype(int).tolist(),
-                "times": self.times.tolist()}
+                "times": self.times.tolist(), "row_block": int(self.row_block)}
 
     @classmethod
     def from_dict(cls, data: dict) -> CostProfile:
@@ -129,7 +152,7 @@ class CostProfile:
             raise ProfileError(f"not a version-{PROFILE_VERSION} cost profile")
         try:
             return cls(sizes=data["sizes"], contexts=data["contexts"], times=data["times"], key=dict(data["key"]),
-                       source=str(data.get("source", "file")))
+                       source=str(data.get("source", "file")), row_block=data.get("row_block", 1))
         except (KeyError, TypeError, ValueError) as error:
             raise ProfileError(f"malformed cost profile: {error}") from None
 

@@ -80,6 +80,9 @@ class RecapConfig:
     max_continuation: int = 256
     """Ceiling of a continuation (host work stays bounded); the remaining budget usually
     binds first."""
+    end_aware: bool = True
+    """Credit a draft that can finish the request with the step it saves
+    (`recap.core.chooser`); False: every step is priced as one of many alike."""
     stream_store: bool = True
     """Also draft continuations from the stream's earlier outputs."""
     store_tokens: int = 16384
@@ -133,6 +136,7 @@ ABLATIONS: dict[str, dict] = {
     "no-calibration": {"calibration": False},
     "no-long": {"long_continuation": False},
     "no-store": {"stream_store": False},
+    "no-end": {"end_aware": False},
     "no-confidence": {"fusion": "no-confidence"},
     "no-prior": {"fusion": "no-prior"},
     "uniform": {"fusion": "uniform"},
@@ -143,7 +147,7 @@ ABLATIONS: dict[str, dict] = {
     "no-suffix": {"suffix_tokens": 0},
     "persistent-CG": {"persistent_context": True},
 }
-"""Named ablation switches (one ingredient changed each). The first four are the cost-aware
+"""Named ablation switches (one ingredient changed each). The first five are the cost-aware
 method's own ingredients; on ``recap-paper`` they change nothing but ``no-cost``'s flag."""
 
 
@@ -351,7 +355,8 @@ class RecapProposer(BaseProposer):
         cap = self.config.budget if cost is None else None
         if limits is not None and limits.max_nodes is not None:
             cap = limits.max_nodes if cap is None else min(cap, limits.max_nodes)
-        tree, chosen = choose(candidates, cost, context_len, cap, limits.max_depth if limits is not None else None)
+        tree, chosen = choose(candidates, cost, context_len, cap, limits.max_depth if limits is not None else None,
+                              self.config.end_aware)
         self._pending = chosen
         self.chosen_sizes.append(len(tree))
         return tree

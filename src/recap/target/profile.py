@@ -35,6 +35,7 @@ from recap.core.cost import DEFAULT_SIZES, PROFILE_VERSION, CostProfile, Profile
 from recap.core.tree import ROOT, DraftTree
 from recap.errors import InputError
 from recap.target.kernels import KERNELS_REVISION
+from recap.target.kernels.linear import ROW_BLOCK
 
 if TYPE_CHECKING:
     from recap.target.base import MeasuringSession, TargetModel
@@ -92,7 +93,10 @@ def read_profile(path: str | os.PathLike) -> CostProfile:
         text = Path(path).read_text()
     except UnicodeDecodeError:
         raise ProfileError("cost profile is not text") from None
-    return CostProfile.from_json(text)
+    profile = CostProfile.from_json(text)
+    if profile.key.get("kernels") == "fast" and "row_block" not in json.loads(text):  # saved before the field
+        profile.row_block = ROW_BLOCK
+    return profile
 
 
 def save_profile(profile: CostProfile, path: str | os.PathLike) -> Path:
@@ -211,7 +215,7 @@ def measure_profile(target: TargetModel, sizes: Sequence[int] | None = None,
     fitted_sizes, fitted_contexts = _fit(target, sizes, contexts)
     times = measure_times(target, fitted_sizes, fitted_contexts, repeats, seed=seed, progress=progress)
     return CostProfile(sizes=fitted_sizes, contexts=fitted_contexts, times=times, key=profile_key(target),
-                       source="measured")
+                       source="measured", row_block=ROW_BLOCK if target.kernels == "fast" else 1)
 
 
 # --------------------------------------------------------------------------- choosing a profile
