@@ -49,8 +49,10 @@ class CostProfile:
     """Weight of one observed verification in the running per-size correction."""
     row_block: int = 1
     """Packed sizes past 2 are computed in blocks of this many rows (the fast kernels pad a
-    step to a multiple of 4): the cost is then a staircase, the same for every size of one
-    block, and the grid is read as the cost of each measured size's whole block (1: none)."""
+    step to a multiple of 4, `recap.target.kernels.linear.padded_rows`): the cost is then a
+    staircase, the same for every size of one block, and the grid is read as the cost of
+    each measured size's whole block (1: none). Fixed at construction (`dataclasses.replace`
+    for another)."""
 
     def __post_init__(self) -> None:
         self.sizes = np.asarray(self.sizes, dtype=np.float64).reshape(-1)
@@ -67,6 +69,8 @@ class CostProfile:
             raise ProfileError("times must be finite and positive")
         if not isinstance(self.row_block, (int, np.integer)) or self.row_block < 1:
             raise ProfileError(f"row_block must be a positive integer, got {self.row_block!r}")
+        self._grid = self._block_grid()
+        """(sizes, times) by computed rows: what `predict` interpolates, built once."""
         self._correction = np.ones(s, dtype=np.float64)
         self._floor = float(self.times.min())
         self._observed = 0
@@ -91,7 +95,7 @@ class CostProfile:
         """Predicted seconds for each packed size in ``n_packed`` at ``context_len`` cached
         tokens, with the online correction applied."""
         n = np.asarray(n_packed, dtype=np.float64)
-        sizes, times = self._block_grid()
+        sizes, times = self._grid
         per_context = np.array([_interp_extrap(self._blocked(n), sizes, row) for row in times])
         if len(self.contexts) == 1:
             base = per_context[0]

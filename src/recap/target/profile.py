@@ -15,6 +15,7 @@ the same context length, and the profiler never edits the target's state itself.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import hashlib
@@ -95,7 +96,7 @@ def read_profile(path: str | os.PathLike) -> CostProfile:
         raise ProfileError("cost profile is not text") from None
     profile = CostProfile.from_json(text)
     if profile.key.get("kernels") == "fast" and "row_block" not in json.loads(text):  # saved before the field
-        profile.row_block = ROW_BLOCK
+        profile = dataclasses.replace(profile, row_block=ROW_BLOCK)
     return profile
 
 
