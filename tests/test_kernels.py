@@ -89,18 +89,22 @@ def test_row_count_dependent_kernel_is_caught(monkeypatch):
 # ----------------------------------------------------------------------------- the linear kernel
 @settings(max_examples=15, deadline=None)
 @given(rows=st.integers(1, 70), out_features=st.integers(1, 37), in_features=st.integers(1, 90),
-       dtype=st.sampled_from(["float32", "bfloat16", "float16"]), bias=st.booleans(), seed=st.integers(0, 99))
-def test_linear_rows_do_not_depend_on_their_neighbours(rows, out_features, in_features, dtype, bias, seed):
+       dtype=st.sampled_from(["float32", "bfloat16", "float16"]), bias=st.booleans(), seed=st.integers(0, 99),
+       weight_rows=st.sampled_from([3, 4]))
+def test_linear_rows_do_not_depend_on_their_neighbours(rows, out_features, in_features, dtype, bias, seed,
+                                                        weight_rows):
+    """Both register blocks (3x4 on 16-register CPUs, 4x4 and 8x2 on AVX-512), whatever this
+    machine picks by default."""
     rng = np.random.default_rng(seed)
     weight = torch.from_numpy(rng.standard_normal((out_features, in_features), dtype=np.float32)).to(
         getattr(torch, dtype))
     bits = weight.numpy() if dtype == "float32" else weight.view(torch.int16).numpy().view(np.uint16)
     layer = Linear(bits, rng.standard_normal(out_features).astype(np.float32) if bias else None,
-                   float16=dtype == "float16")
+                   float16=dtype == "float16", weight_rows=weight_rows)
     x = np.zeros((padded_rows(rows) if layer.two_rows else -(-rows // 4) * 4, in_features), np.float32)
     x[:rows] = rng.standard_normal((rows, in_features), dtype=np.float32)
     out = layer(x, np.zeros((len(x), out_features), np.float32), len(x))
-    assert layer.two_rows == (out_features % 8 == 0)  # the machine check passes here
+    assert layer.two_rows == (weight_rows == 4 and out_features % 8 == 0)  # the machine check passes here
     for row in range(rows):
         single = np.zeros((4, in_features), np.float32)
         single[row % 4] = x[row]  # any slot of the 4-row block
@@ -111,6 +115,30 @@ def test_linear_rows_do_not_depend_on_their_neighbours(rows, out_features, in_fe
             assert np.array_equal(layer(pair, np.zeros((2, out_features), np.float32), 2)[row % 2], out[row])
     expected = x[:rows].astype(np.float64) @ weight.double().numpy().T + (layer.bias if bias else 0)
     np.testing.assert_allclose(out[:rows], expected, rtol=1e-4, atol=1e-4 * in_features)
+
+
+@pytest.mark.parametrize("weight_rows", [3, 4])
+def test_packed_verify_is_bit_identical_on_either_block(weight_rows, monkeypatch):
+    """The decoder built on the block this machine would not pick by itself is exact too."""
+    monkeypatch.setattr(kernel_linear, "WEIGHT_ROWS", weight_rows)
+    target = recap.load("tiny-qwen2.5-vl", kernels="fast")
+    assert {linear.weight_rows for layer in target._fast.layers for linear in layer.linears()} == {weight_rows}
+    assert mismatched_nodes(target, _random_tree(np.random.default_rng(2), 16, 1000)) == 0
+
+
+def test_both_blocks_give_the_same_bits_here():
+    """The two main blocks run the same dot product, so on one machine they agree bit for bit
+    on every column both cover (N a multiple of 12 here; the last N mod 3 or N mod 4 columns
+    go through a 1-weight-row block that LLVM may vectorise otherwise)."""
+    rng = np.random.default_rng(3)
+    weight, bias = rng.standard_normal((72, 300), dtype=np.float32), rng.standard_normal(72).astype(np.float32)
+    x = rng.standard_normal((12, 300), dtype=np.float32)
+    three = Linear(weight, bias, weight_rows=3)(x, np.zeros((12, 72), np.float32), 12)
+    four = Linear(weight, bias, weight_rows=4)(x, np.zeros((12, 72), np.float32), 12)
+    np.testing.assert_allclose(three, x.astype(np.float64) @ weight.T.astype(np.float64) + bias, rtol=1e-4, atol=1e-3)
+    assert np.array_equal(three, four)
+    with pytest.raises(ValueError):
+        Linear(weight, bias, weight_rows=2)
 
 
 def test_float16_table_is_exact():

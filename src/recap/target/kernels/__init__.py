@@ -1,7 +1,8 @@
 """The project's own decode and verify steps on CPU: fast at small batch and batch-invariant.
 
 - `linear`: the linear-layer kernel: one dot product per element for every row count (a 4x4
-  register block, and an 8x2 one for 1-2-row steps, checked bit for bit against it);
+  register block and an 8x2 one for 1-2-row steps, checked bit for bit against it, on
+  AVX-512; a 3x4 block for every row count on 16-register CPUs);
 - `exp`: a float32 ``exp`` that vectorises (softmax, SiLU);
 - `ops`: norms, RoPE, SiLU, tree attention over per-node ancestor lists;
 - `cache`: a KV cache written in place at explicit slots;
@@ -20,8 +21,9 @@ from recap.target.kernels.args import DecoderArgs, unsupported
 from recap.target.kernels.cache import KVCache
 from recap.target.kernels.decoder import FastDecoder
 
-KERNELS_REVISION = 2
-"""Bumped when the fast kernels' speed or arithmetic changes (2: the 2-row block, `exp32`), so
+KERNELS_REVISION = 3
+"""Bumped when the fast kernels' speed or arithmetic changes (2: the 2-row block, `exp32`; 3:
+the 3x4 block on 16-register CPUs), so
 a cost profile measured on older kernels is measured again (`recap.target.profile`)."""
 
 KERNELS = ("auto", "fast", "stock")
