@@ -312,3 +312,18 @@ def test_bench_records_and_applies_the_cost_profile(tmp_path):
     bench.run()
     assert target.cost_profile.source == "flat" and run_record(tmp_path / "out")["settings"]["cost_profile"] == "flat"
     assert Bench(_config(tmp_path, cost_profile="auto"), progress=False).settings()["cost_profile"] is None
+
+
+def test_a_blocked_profile_averages_a_dip_away():
+    # On the fast kernels more rows are more work, so a measured dip (t(36 rows) below
+    # t(32 rows), a busy VM's noise) is pooled with its neighbour: the mean of both, not a
+    # cheap 33-36 the chooser would aim at. The flat end it leaves does not flatten the
+    # extrapolation past the grid.
+    grid = dict(sizes=[1, 2, 4, 8, 32, 33, 64], contexts=[0], times=[[1.0, 1.0, 1.1, 1.6, 5.4, 4.9, 8.6]])
+    blocked = CostProfile(**grid, row_block=4)
+    assert blocked.predict([32, 33, 36]) == pytest.approx([5.15, 5.15, 5.15])
+    assert np.all(np.diff(blocked.predict(np.arange(1, 129))) >= 0)
+    assert blocked.predict(96) == pytest.approx(8.6 + (8.6 - 5.15) / 28 * 32)
+    assert CostProfile(**grid).predict(33) == pytest.approx(4.9)  # stock curves are left as measured
+    flat_end = CostProfile(sizes=[1, 8, 32, 64], contexts=[0], times=[[1.0, 2.0, 6.0, 5.0]], row_block=4)
+    assert flat_end.predict(64) == pytest.approx(5.5) and flat_end.predict(128) > flat_end.predict(64)

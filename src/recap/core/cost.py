@@ -111,14 +111,17 @@ class CostProfile:
 
     def _block_grid(self) -> tuple[np.ndarray, np.ndarray]:
         """The grid by computed rows: sizes of one block merge into one point, the slowest
-        measurement of the block (so 33 and 36 packed tokens cost what 33 measured)."""
+        measurement of the block (so 33 and 36 packed tokens cost what 33 measured); then
+        each context's row made non-decreasing (`_non_decreasing`): on these kernels more
+        rows are strictly more work, so a dip is measurement noise (a busy VM gave t(36 rows)
+        178 ms after t(32 rows) 198), and a dip would make the chooser aim at it."""
         if self.row_block == 1:
             return self.sizes, self.times
         rows = self._blocked(self.sizes)
         unique, index = np.unique(rows, return_inverse=True)
         times = np.full((len(self.contexts), len(unique)), -np.inf)
         np.maximum.at(times, (slice(None), index), self.times)
-        return unique, times
+        return unique, np.array([_non_decreasing(row) for row in times])
 
     def curve(self, max_packed: int, context_len: int = 0) -> np.ndarray:
         """``predict(1 .. max_packed)``, reused while the context length stays within the same
@@ -179,12 +182,28 @@ class CostProfile:
         return f"{self.source} profile, t(N)/t(1) at context {context}: {ratios}"
 
 
+def _non_decreasing(values: np.ndarray) -> np.ndarray:
+    """The closest non-decreasing sequence in least squares (pool adjacent violators): each
+    run that dips is replaced by its mean, so noise is averaged out, not clipped upwards."""
+    blocks: list[list[float]] = []  # [sum, count] of each pooled run
+    for value in np.asarray(values, dtype=np.float64):
+        blocks.append([float(value), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    return np.concatenate([np.full(int(count), total / count) for total, count in blocks])
+
+
 def _interp_extrap(x: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """Linear interpolation; past the last point the last segment's slope continues."""
+    """Linear interpolation; past the last point the slope from the last lower point
+    continues (the last segment's, unless noise or pooling left the end flat or dipping)."""
     if len(xs) == 1:
         return np.full_like(x, ys[0], dtype=np.float64)
     inside = np.interp(x, xs, ys)
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    lower = np.flatnonzero(ys[:-1] < ys[-1])
+    k = int(lower[-1]) if len(lower) else len(xs) - 2
+    slope = max(0.0, (ys[-1] - ys[k]) / (xs[-1] - xs[k]))
     return np.where(x > xs[-1], ys[-1] + slope * (x - xs[-1]), inside)
 
 
