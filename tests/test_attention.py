@@ -2,10 +2,13 @@
 
 import numpy as np
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from recap.core import ROOT, DraftTree
 from recap.target.attention import compact_cache, tree_attention_mask, tree_positions
+from recap.target.base import first_argmax
 
 
 def test_mask_is_additive_float_with_visible_prefix():
@@ -76,3 +79,31 @@ def test_verify_then_commit_equals_feeding_tokens_one_by_one(tiny_stock_target):
         torch.testing.assert_close(keys, layer.keys, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(values, layer.values, rtol=1e-4, atol=1e-5)
     target.release()
+
+
+# ----------------------------------------------------------------------------- argmax off the Top-K
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 5), vocab=st.integers(1, 40), k=st.integers(1, 8), seed=st.integers(0, 10_000),
+       nan=st.booleans(), minus_inf_row=st.booleans())
+def test_argmax_read_off_the_top_k_is_torchs(rows, vocab, k, seed, nan, minus_inf_row):
+    """Integer logits in a small range tie often; NaN and all -inf rows too: the argmax taken
+    from the Top-K must be torch's first index of the maximum in every case."""
+    k = min(k, vocab)
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 3, (rows, vocab), generator=generator).float()
+    if nan:
+        logits[0, seed % vocab] = float("nan")
+    if minus_inf_row:
+        logits[-1] = float("-inf")
+    values, ids = torch.topk(logits, k, dim=-1)
+    assert torch.equal(first_argmax(logits, values, ids), logits.argmax(dim=-1, keepdim=True))
+
+
+def test_argmax_off_the_top_k_needs_its_fallback():
+    """Negative control: a row whose K values all tie may have a valid Top-K without its first
+    maximum (here ids 5, 6, 7 of ten zeros): the smallest id there is wrong, the fallback is
+    right."""
+    logits = torch.zeros(1, 10)
+    values, ids = torch.zeros(1, 3), torch.tensor([[5, 6, 7]])
+    assert int(ids.min()) != int(logits.argmax())
+    assert int(first_argmax(logits, values, ids)) == 0

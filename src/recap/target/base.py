@@ -74,6 +74,20 @@ class _Captured(Exception):
     """Stops a VLM's forward once its language model's inputs are known."""
 
 
+def first_argmax(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1, keepdim=True)`` (the first index of each row's maximum) read off
+    the row's Top-K (``values``, ``ids`` from `torch.topk`) instead of a second pass over the
+    vocabulary (0.8 ms for 8 rows of 49,152 on one core). Exact: when fewer than K entries
+    tie at the maximum, all of them are in the Top-K, and the first is the smallest id among
+    them; a row whose K values all tie, or that holds a NaN, is recomputed with ``argmax``."""
+    at_max = values == values[:, :1]
+    first = torch.where(at_max, ids, torch.full_like(ids, logits.shape[-1])).min(dim=-1, keepdim=True).values
+    unsure = at_max[:, -1] | torch.isnan(values[:, 0])
+    if bool(unsure.any()):
+        first[unsure] = logits[unsure].argmax(dim=-1, keepdim=True)
+    return first
+
+
 class TargetModel(BaseTarget):
     """Base adapter: a decoder-only causal LM, a `recap.target.protocol.Target` with every
     optional ability (context limit, sliding window, image-attention capture, cost profile,
@@ -487,7 +501,7 @@ class TargetModel(BaseTarget):
         """Top-K ids/logits and the argmax per row, computed on the device and moved to the
         host in a single transfer (ids are exact in float64)."""
         values, ids = torch.topk(logits, self.top_k, dim=-1)
-        argmax = logits.argmax(dim=-1, keepdim=True)
+        argmax = first_argmax(logits, values, ids)
         packed = torch.cat([ids.double(), values.double(), argmax.double()], dim=1).cpu().numpy()
         k = self.top_k
         return packed[:, :k].astype(np.int64), packed[:, k : 2 * k].astype(np.float32), \
