@@ -6,13 +6,14 @@ Why our own: stock ``F.linear`` on CPU picks its blocking from the batch size, s
 - **One dot product for every M.** Every output element is one dot product over K that LLVM
   vectorises the same way in each register block: one vector accumulator per element
   (``fastmath`` allows reassociation and FMA *within* that loop), then the same horizontal
-  sum. Steps of 3 or more rows are padded to a multiple of `ROW_BLOCK` and go through a 4x4
-  block (4 weight rows x 4 token rows); steps of 1 or 2 rows go through an 8x2 block (8
-  weight rows x 2 token rows), which reads each weight once for 2 rows instead of computing
-  3 padding rows: a 1-row step's linear layers take about 12% less time (SmolLM2, one core,
-  `benchmarks/step_profile.py`). Both blocks hold 16 accumulators, and their weight rows are
-  spread over the matrix (q, q + N/4, ...): long sequential streams the hardware prefetcher
-  follows (4 adjacent rows, read in parallel, cost 1.5x as much from DRAM on a 2-core EPYC).
+  sum. With ``WEIGHT_ROWS`` 4 (AVX-512), steps of 3 or more rows are padded to a multiple of
+  `ROW_BLOCK` and go through a 4x4 block (4 weight rows x 4 token rows); steps of 1 or 2
+  rows go through an 8x2 block (8 weight rows x 2 token rows), which reads each weight once
+  for 2 rows instead of computing 3 padding rows: a 1-row step's linear layers take about
+  12% less time (SmolLM2, one core, `benchmarks/step_profile.py`). Both blocks hold 16
+  accumulators, and their weight rows are spread over the matrix (q, q + N/4, ...): long
+  sequential streams the hardware prefetcher follows (4 adjacent rows, read in parallel,
+  cost 1.5x as much from DRAM on a 2-core EPYC).
 - **Checked on the machine, not assumed.** That both blocks compile to the same arithmetic
   is LLVM's choice, so `small_rows_exact` compares them bit for bit for each input width a
   model uses before the 2-row block is used (`FastDecoder` calls it); where they differ, every
@@ -22,7 +23,6 @@ Why our own: stock ``F.linear`` on CPU picks its blocking from the batch size, s
   do not overlap on this core: docs/kernels.md).
 - bfloat16 / float16 weights are widened to float32 (exactly: every 16-bit float is a
   float32) one block of weight rows at a time; accumulation is float32.
-
 - **The block fits the machine's registers.** The 4x4 block holds 16 accumulators and 8
   operands: on a core with 32 vector registers (AVX-512) it runs near the core's peak, but
   with 16 (AVX2) it spills. There the 3x4 block (12 accumulators, 3 weight rows x 4 token
