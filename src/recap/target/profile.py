@@ -35,8 +35,8 @@ import torch
 from recap.core.cost import DEFAULT_SIZES, PROFILE_VERSION, CostProfile, ProfileError
 from recap.core.tree import ROOT, DraftTree
 from recap.errors import InputError
-from recap.target.kernels import KERNELS_REVISION
-from recap.target.kernels.linear import ROW_BLOCK, WEIGHT_ROWS
+from recap.target.kernels import KERNELS_REVISION, linear
+from recap.target.kernels.linear import ROW_BLOCK
 
 if TYPE_CHECKING:
     from recap.target.base import MeasuringSession, TargetModel
@@ -76,7 +76,7 @@ def profile_key(target: TargetModel) -> dict:
             "dtype": str(target.dtype).removeprefix("torch."),
             "kernels": target.kernels, "threads": torch.get_num_threads(),
             "kernels_revision": KERNELS_REVISION if target.kernels == "fast" else 0,
-            "linear_block": f"{WEIGHT_ROWS}x{ROW_BLOCK}" if target.kernels == "fast" else "",
+            "linear_block": f"{linear.WEIGHT_ROWS}x{ROW_BLOCK}" if target.kernels == "fast" else "",
             "device": str(device), "gpu": gpu, "cpu": _cpu_model(), "torch": torch.__version__,
             "transformers": transformers.__version__, "version": PROFILE_VERSION}
 
