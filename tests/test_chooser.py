@@ -310,3 +310,43 @@ def test_the_end_aware_choice_is_closer_to_the_optimal_policy(profile, prob):
     aware = _time_to_finish(prob, 64, profile, size(True)) / best
     assert plain.min() >= 1 - 1e-9 and aware.min() >= 1 - 1e-9  # the optimum is a lower bound
     assert aware.mean() < plain.mean() and aware.max() < plain.max()
+
+
+EOS = 999
+
+
+def _chain_ending_in_eos(prob: float, length: int, tail: int = 10) -> Candidates:
+    """A chain of ``length`` tokens whose last is EOS, then ``tail`` tokens past it (the
+    quoted turn's template), every node ``prob``."""
+    tokens = [*range(length - 1), EOS, *range(1000, 1000 + tail)]
+    n = len(tokens)
+    return Candidates(tokens, [ROOT, *range(n - 1)], list(range(1, n + 1)), [prob] * n, [0] * n)
+
+
+def test_nodes_below_a_stop_token_are_never_drafted():
+    # Past EOS nothing is committed: a flat cost drafts every other node, none below EOS.
+    candidates = _chain_ending_in_eos(0.99, 20)
+    tree, _ = choose(candidates, CostProfile.flat(), 0, stop_tokens=frozenset({EOS}))
+    assert len(tree) == 20 and int(tree.tokens[-1]) == EOS
+    assert len(choose(candidates, CostProfile.flat(), 0)[0]) == 30  # the control: without the stop set
+
+
+def test_a_chain_that_ends_in_eos_is_credited_with_the_step_it_saves():
+    # A 28-token repeat ending in EOS, far from the token limit: priced as one step of many,
+    # the chain is cut short; credited like a path that reaches the limit, it is drafted whole
+    # (the request ends in this step), and never past the EOS.
+    candidates = _chain_ending_in_eos(0.98, 28)
+    plain, _ = choose(candidates, NEAR_LINEAR, 0, max_depth=62, stop_tokens=frozenset({EOS}), end_aware=False)
+    aware, _ = choose(candidates, NEAR_LINEAR, 0, max_depth=62, stop_tokens=frozenset({EOS}))
+    assert len(plain) < 28
+    assert len(aware) == 28 and int(aware.tokens[-1]) == EOS
+
+
+def test_a_stop_token_below_another_stops_its_whole_subtree():
+    # EOS at depth 2 on one branch; its grandchildren are cut, the sibling branch is not.
+    tokens = [1, EOS, 5, 6, 2, 3]
+    parents = [ROOT, 0, 1, 2, ROOT, 4]
+    depths = [1, 2, 3, 4, 1, 2]
+    candidates = Candidates(tokens, parents, depths, [0.9] * 6, [0] * 6)
+    tree, _ = choose(candidates, CostProfile.flat(), 0, stop_tokens=frozenset({EOS}))
+    assert sorted(_paths(tree)) == sorted([(1,), (1, EOS), (2,), (2, 3)])

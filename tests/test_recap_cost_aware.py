@@ -344,25 +344,47 @@ def test_a_failing_recycled_correction_leaves_a_stored_answer_drafted(tiny_llama
     assert_drafted(result, min_accepted=10)
 
 
+def _record_proposals(proposer) -> list:
+    """Wrap ``proposer.propose`` to record (history length, limits, tree) of every step."""
+    seen, original = [], proposer.propose
+
+    def propose(history, limits=None):
+        tree = original(history, limits)
+        seen.append((len(history), limits, tree))
+        return tree
+
+    proposer.propose = propose
+    return seen
+
+
 def test_drafts_never_reach_past_the_tokens_the_request_may_still_commit(tiny_llama):
     inputs, reference = _memory_case(tiny_llama)
     proposer = RecapProposer()
     proposer.store.add(list(reference))
-    seen = []
-    original = proposer.propose
-
-    def propose(history, limits=None):
-        tree = original(history, limits)
-        seen.append((limits.remaining, tree.max_depth if len(tree) else 0, len(history)))
-        return tree
-
-    proposer.propose = propose
+    seen = _record_proposals(proposer)
     result = decode(tiny_llama, proposer, inputs, max_new_tokens=9, cost=CostProfile.flat())
     assert result.tokens == reference[:9] and not result.cut_inside_path
     assert_drafted(result, min_accepted=4)
-    for remaining, depth, history_len in seen:
-        assert remaining == 9 - (history_len - len(inputs.prompt_ids))
-        assert depth <= remaining - 1
+    for history_len, limits, tree in seen:
+        assert limits.remaining == 9 - (history_len - len(inputs.prompt_ids))
+        assert (tree.max_depth if len(tree) else 0) <= limits.remaining - 1
+
+
+def test_a_stored_answer_is_drafted_to_its_eos_and_never_past_it(tiny_llama):
+    """The stop tokens are known to the chooser: a stored answer that runs on past the
+    request's EOS is drafted up to that EOS, accepted, and no node below it is drafted."""
+    inputs, reference = _memory_case(tiny_llama)
+    eos = reference[12]
+    assert eos not in reference[:12]
+    proposer = RecapProposer()
+    proposer.store.add(list(reference))
+    seen = _record_proposals(proposer)
+    result = decode(tiny_llama, proposer, inputs, max_new_tokens=20, eos_token_ids=[eos], cost=PROFILE)
+    assert result.tokens == reference[:13] and result.stop_reason == "eos"
+    assert_drafted(result, min_accepted=10)
+    for _, _, tree in seen:
+        for node in range(len(tree)):
+            assert eos not in tree.path_tokens(node)[:-1]  # nothing below an EOS node
 
 
 def test_nodes_past_eos_teach_the_calibration_nothing():

@@ -176,9 +176,10 @@ class Decoding:
 
     @property
     def limits(self) -> StepLimits:
-        """What the coming step allows: the cost profile, the cached context, the tokens left."""
+        """What the coming step allows: the cost profile, the cached context, the tokens left,
+        the tokens that would end the request."""
         return StepLimits(cost=self.cost, context_len=self.target.past_len,
-                          remaining=self.max_new_tokens - len(self.result.tokens))
+                          remaining=self.max_new_tokens - len(self.result.tokens), stop_tokens=self.eos)
 
     def propose(self, tree: DraftTree | None = None) -> DraftTree:
         """The next step's draft tree, from the proposer (or ``tree``, already chosen for this

@@ -10,10 +10,11 @@ committed), and the step costs t(1 + N) (root included). The chosen size maximis
     (1 + sum of the first N path probabilities) / t(1 + N),   N = 0 (a plain step) included.
 
 Near the request's end the step is not one of many alike: a path that reaches the last token
-the request may commit saves the whole next step when it is accepted, which the per-step
-rate does not see (`_best_size_to_end` credits it). On a cost curve that is near linear past
-a few rows this is what lets a long exact repeat finish in one step instead of leaving two
-tokens for a third.
+the request may commit, or ends in a stop token (EOS: a repeated answer's end), saves the whole
+next step when it is accepted, which the per-step rate does not see (`_best_size_to_end`
+credits it). On a cost curve that is near linear past a few rows this is what lets a long
+exact repeat finish in one step instead of leaving two tokens for a third. Nodes below a stop
+token are never drafted: nothing after it is committed.
 
 Numpy over at most a few hundred nodes: tens of microseconds.
 """
@@ -127,6 +128,16 @@ def _best_size_to_end(sorted_path, finishes, curve, n_max, plain_best):
             best_value = value
             best = k
     return best
+
+
+@njit(cache=True)
+def _below_stop(parents, is_stop, n):
+    """Whether each node has a stop token among its ancestors (parents before children)."""
+    below = np.zeros(n, np.bool_)
+    for i in range(n):
+        parent = parents[i]
+        below[i] = parent >= 0 and (is_stop[parent] or below[parent])
+    return below
 
 
 @njit(cache=True)
@@ -283,38 +294,53 @@ class Ranked:
         return tree, ChosenTree(tree, c._probs[chosen], c._cells[chosen], float(self.path[chosen].sum()))
 
 
-def rank(candidates: Candidates, cap: int | None = None, max_depth: int | None = None) -> Ranked:
+def rank(candidates: Candidates, cap: int | None = None, max_depth: int | None = None,
+         stop_tokens: frozenset[int] = frozenset()) -> Ranked:
     """The candidates best first, at most ``cap`` of them, none deeper than ``max_depth``
-    (what the request can still use)."""
+    (what the request can still use) and none below a ``stop_tokens`` node (the request
+    ends there, so nothing after it is ever committed)."""
     n = len(candidates)
     if n == 0:
         return Ranked(candidates, np.zeros(0, np.int64), np.zeros(0))
     path = candidates.path_probs()
-    usable = n
+    unusable = np.zeros(n, bool)
     if max_depth is not None:
-        too_deep = candidates.depths > max_depth
-        if too_deep.any():  # sorted after every usable node (a child is deeper than its parent)
-            path[too_deep] = -1.0
-            usable = n - int(too_deep.sum())
+        unusable |= candidates.depths > max_depth
+    if stop_tokens:
+        unusable |= _below_stop(candidates._parents, stops(candidates.tokens, stop_tokens), n)
+    usable = n
+    if unusable.any():  # sorted after every usable node (a child of an unusable node is unusable)
+        path[unusable] = -1.0
+        usable = n - int(unusable.sum())
     order = _order(path, candidates._depths, n)
     n_max = usable if cap is None else max(0, min(cap, usable))
     return Ranked(candidates, order[:n_max], path)
 
 
+def stops(tokens: np.ndarray, stop_tokens: frozenset[int]) -> np.ndarray:
+    """Which of ``tokens`` end the request."""
+    return np.isin(tokens, np.fromiter(stop_tokens, np.int64, len(stop_tokens)))
+
+
 def choose(candidates: Candidates, cost: CostProfile | None, context_len: int,
            cap: int | None = None, max_depth: int | None = None,
-           end_aware: bool = True) -> tuple[DraftTree, ChosenTree]:
+           end_aware: bool = True, stop_tokens: frozenset[int] = frozenset()) -> tuple[DraftTree, ChosenTree]:
     """The draft tree for this step (see the module docstring) and what to learn from;
-    nodes deeper than ``max_depth`` (what the request can still use) are never drafted, and
-    with ``end_aware`` a node at exactly that depth is credited with the step it saves."""
-    ranked = rank(candidates, cap, max_depth)
+    nodes deeper than ``max_depth`` (what the request can still use) or below a stop token
+    are never drafted, and with ``end_aware`` a node at exactly that depth, or a stop token
+    (EOS), is credited with the step it saves."""
+    ranked = rank(candidates, cap, max_depth, stop_tokens)
     n_max = len(ranked.order)
     if cost is None or n_max == 0:
         return ranked.take(n_max)
     gains, curve = ranked.gains, cost.curve(n_max + 1, context_len)
     size = int(_best_size(gains, curve, n_max))
-    if end_aware and max_depth is not None:
-        finishes = candidates.depths[ranked.order] == max_depth
+    if end_aware and (max_depth is not None or stop_tokens):
+        finishes = np.zeros(n_max, bool)
+        if max_depth is not None:
+            finishes |= candidates.depths[ranked.order] == max_depth
+        if stop_tokens:
+            finishes |= stops(candidates.tokens[ranked.order], stop_tokens)
         if finishes.any():
             size = int(_best_size_to_end(gains, finishes, curve, n_max, size))
     return ranked.take(size)

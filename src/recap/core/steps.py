@@ -74,6 +74,9 @@ class StepLimits:
     """Hard cap on draft nodes (root excluded), e.g. what the context window still holds."""
     remaining: int | None = None
     """Tokens the request may still commit (this step's bonus token included)."""
+    stop_tokens: frozenset[int] = frozenset()
+    """Tokens that end the request once committed (EOS): a draft past one is never used, and
+    a path that ends in one finishes the request like a path as deep as ``remaining``."""
 
     @property
     def max_depth(self) -> int | None:

@@ -337,8 +337,9 @@ class RecapProposer(BaseProposer):
             return None
         self.sync_automaton(history)
         self._context = context_of(history)
-        cap, depth = (limits.max_nodes, limits.max_depth) if limits is not None else (None, None)
-        ranked = rank(self.candidates(history, depth), cap, depth)
+        limits = limits if limits is not None else StepLimits()
+        depth = limits.max_depth
+        ranked = rank(self.candidates(history, depth), limits.max_nodes, depth, limits.stop_tokens)
 
         def take(size: int) -> DraftTree:
             tree, self._pending = ranked.take(size)
@@ -350,13 +351,13 @@ class RecapProposer(BaseProposer):
     def select(self, candidates: Candidates, limits: StepLimits | None) -> DraftTree:
         """The step's tree: the cost-optimal prefix of the candidates (`recap.core.chooser`);
         without a cost profile (or with ``cost_aware`` off), the best ``budget`` of them."""
-        cost = limits.cost if limits is not None and self.config.cost_aware else None
-        context_len = limits.context_len if limits is not None else 0
+        limits = limits if limits is not None else StepLimits()
+        cost = limits.cost if self.config.cost_aware else None
         cap = self.config.budget if cost is None else None
-        if limits is not None and limits.max_nodes is not None:
+        if limits.max_nodes is not None:
             cap = limits.max_nodes if cap is None else min(cap, limits.max_nodes)
-        tree, chosen = choose(candidates, cost, context_len, cap, limits.max_depth if limits is not None else None,
-                              self.config.end_aware)
+        tree, chosen = choose(candidates, cost, limits.context_len, cap, limits.max_depth, self.config.end_aware,
+                              limits.stop_tokens)
         self._pending = chosen
         self.chosen_sizes.append(len(tree))
         return tree
