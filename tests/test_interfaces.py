@@ -28,7 +28,7 @@ VOCAB = 2048
 def test_every_registered_proposer_satisfies_the_protocol(name):
     proposer = make_proposer(name)
     assert isinstance(proposer, Proposer)
-    for flag in ("stream_state", "wants_cost", "wants_image_attention"):
+    for flag in ("stream_state", "wants_cost", "wants_image_attention", "wants_prompt_rows"):
         assert isinstance(getattr(proposer, flag), bool), flag
     assert isinstance(proposer.stage_times(), dict)
 
@@ -37,6 +37,9 @@ def test_only_the_methods_that_ask_declare_it():
     assert make_proposer("recap").wants_cost and not make_proposer("recap-paper").wants_cost
     assert make_proposer("sam-viskip").wants_image_attention and not make_proposer("sam").wants_image_attention
     assert not any(make_proposer(name).wants_image_attention for name in PROPOSERS if name != "sam-viskip")
+    seeding = {"recap", "recap-paper", "token-recycling", "tree-recycling"}  # seed from the prompt's Top-K rows
+    assert all(make_proposer(name).wants_prompt_rows for name in seeding)
+    assert not any(make_proposer(name).wants_prompt_rows for name in ("ar", "pld", "sam", "sam-viskip", "lookahead"))
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
@@ -88,7 +91,12 @@ class RecordingTarget(SyntheticTarget):
     def __init__(self, *args, **options):
         super().__init__(*args, cost_profile=CostProfile.linear(0.1), **options)
         self.capture_requests: list[bool] = []
+        self.rows_requests: list[bool] = []
         self.cost_requests = 0
+
+    def keep_prompt_rows(self, enabled: bool = True) -> bool:
+        self.rows_requests.append(enabled)
+        return True
 
     def capture_image_attention(self, enabled: bool = True) -> bool:
         self.capture_requests.append(enabled)
@@ -100,11 +108,12 @@ class RecordingTarget(SyntheticTarget):
 
 
 class AskingDrafter(PromptLookupProposer):
-    """PLD that declares both wishes and keeps the limits it is given."""
+    """PLD that declares every wish and keeps the limits it is given."""
 
     name = "asking"
     wants_cost = True
     wants_image_attention = True
+    wants_prompt_rows = True
 
     def propose(self, history, limits=None):
         self.limits = limits
@@ -122,6 +131,7 @@ def test_declared_wishes_reach_the_target():
     plain = PromptLookupProposer()
     decode(target, plain, prompt, max_new_tokens=6)
     assert target.capture_requests == [True, False] and target.cost_requests == 1  # not asked, not measured
+    assert target.rows_requests == [True, False]  # PLD never reads the prompt's Top-K rows
 
 
 def test_declared_limits_are_enforced():
@@ -149,6 +159,7 @@ def test_sampling_on_a_greedy_only_target_is_refused_up_front():
 def test_base_proposer_defaults_ask_for_nothing():
     base = BaseProposer()
     assert not base.wants_cost and not base.wants_image_attention and not base.stream_state
+    assert base.wants_prompt_rows  # the safe default: a method reading the prompt's Top-K rows gets them
     assert base.stage_times() == {}
     base.set_reference([1, 2, 3])  # accepted and ignored
 

@@ -95,8 +95,8 @@ def test_a_cache_that_hands_over_unshared_rows_is_caught(fresh_cache, monkeypatc
     _prefilled(target, first)
     honest = PrefixCache.lookup
 
-    def lying(self, tokens, limit, scope=""):
-        shared, entry = honest(self, tokens, limit, scope)
+    def lying(self, tokens, limit, scope="", **options):
+        shared, entry = honest(self, tokens, limit, scope, **options)
         return (min(shared + 1, limit, len(entry.tokens)), entry) if entry is not None else (shared, entry)
 
     monkeypatch.setattr(PrefixCache, "lookup", lying)

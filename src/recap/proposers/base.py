@@ -34,6 +34,10 @@ class Proposer(Protocol):
     """True: the loop turns the target's image-attention capture on for the request, so
     ``PromptRows.image_attention`` and ``VerifiedTree.image_attention`` carry the measurement
     (None where the prompt has no image or the target cannot capture)."""
+    wants_prompt_rows: bool
+    """True: prefill computes the Top-K rows of every prompt position (``PromptRows.topk_ids``,
+    ``topk_logits``) for the method to seed from; False: it never reads them, so only the last
+    prompt row's logits are computed (empty arrays), as `model.generate` does."""
 
     def begin_request(self, prompt: PromptRows) -> None: ...
 
@@ -75,6 +79,9 @@ class BaseProposer:
     Recycling's matrix, Lookahead's output trie. Benchmarks checkpoint such streams."""
     wants_cost = False
     wants_image_attention = False
+    wants_prompt_rows = True
+    """The safe default: a method that reads the prompt's Top-K rows gets them; those that
+    never do say so (AR, PLD, SAM, lookahead), and their prefill skips the head on the rest."""
 
     def begin_request(self, prompt: PromptRows) -> None:
         self.prompt = prompt
@@ -111,3 +118,4 @@ class AutoregressiveProposer(BaseProposer):
     It runs through exactly the same loop as every drafter, which keeps timings fair."""
 
     name = "ar"
+    wants_prompt_rows = False

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -118,6 +119,8 @@ class TargetModel(BaseTarget):
         """``fast``: decode and verify steps on the project's own kernels (`recap.target.kernels`);
         ``stock``: transformers' forward. Set by `use_kernels`."""
         self._fast: Any = None
+        self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
+        """Whether the model's forward takes ``logits_to_keep`` (transformers' causal LMs and VLMs do)."""
         self.use_kernels(kernels)
 
     def _reset_request(self) -> None:
@@ -132,6 +135,8 @@ class TargetModel(BaseTarget):
         """The fast path's logits (N, V) of the last verify (a reused buffer), for tests."""
         self.prefix_scope = ""
         """Whose cached prompt prefixes this request may reuse (`PrefixCache`; the server: its tenant)."""
+        self._prompt_rows = True
+        """Whether prefill computes every prompt position's Top-K (`keep_prompt_rows`)."""
 
     @property
     def batches(self) -> bool:
@@ -221,6 +226,21 @@ class TargetModel(BaseTarget):
     def prompt_length(self, inputs: ModelInputs) -> int:
         return int(inputs.input_ids.shape[1])
 
+    def keep_prompt_rows(self, enabled: bool = True) -> bool:
+        """Whether the next prefill computes the Top-K rows of every prompt position: on by
+        default, and on again after each prefill (the choice is one request's). Off, for
+        proposers that never read them (AR, PLD, SAM, lookahead), only the last row's logits
+        are computed, as `model.generate` does (``logits_to_keep=1``): the LM head is about a
+        fifth of a prompt row's arithmetic on SmolLM2, and a method should not pay for what
+        only another method uses. `PromptRows` then carries empty Top-K arrays. Returns
+        whether the rows will be computed."""
+        self._prompt_rows = bool(enabled)
+        return self._prompt_rows
+
+    def no_prompt_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """The (0, K) Top-K arrays of a prefill that kept no prompt rows."""
+        return np.zeros((0, self.top_k), np.int64), np.zeros((0, self.top_k), np.float32)
+
     def capture_image_attention(self, enabled: bool = True) -> bool:
         """Turn on (or off) the measurement of the final-layer, head-averaged attention mass
         on the prompt's image tokens (`recap.target.image_attention`). While on, prefill and
@@ -269,7 +289,8 @@ class TargetModel(BaseTarget):
             while not chunked.finished:
                 rows = chunked.rows(PREFILL_CHUNK)
                 vectors = chunked.embeds()
-                chunked.absorb(self._fast.forward(self._kv, *rows, [] if vectors is None else [(0, vectors)]))
+                chunked.absorb(self._fast.forward(self._kv, *rows, [] if vectors is None else [(0, vectors)],
+                                                  chunked.logit_rows()))
             return chunked.result(sampler)
         self._packed = 0
         self.cache = DynamicCache()
@@ -277,6 +298,9 @@ class TargetModel(BaseTarget):
         extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.extra.items()}
         positions = self._prefill_positions(inputs)
         capture = self._arm_capture(-1, input_ids)
+        keep_rows, self._prompt_rows = self._prompt_rows, True  # this prefill spends the request's choice
+        if not keep_rows and self._keeps_logits:
+            extra["logits_to_keep"] = 1
         out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True, **extra)
         self.past_len = input_ids.shape[1]
         if self.kernels == "fast":
@@ -284,7 +308,11 @@ class TargetModel(BaseTarget):
             self._kv.load([layer.keys[0].float().numpy() for layer in self.cache.layers],
                           [layer.values[0].float().numpy() for layer in self.cache.layers], self.past_len)
             self.cache = None
-        ids, logits, argmax = self._top_rows(out.logits[0])
+        if keep_rows:
+            ids, logits, argmax = self._top_rows(out.logits[0])
+        else:  # the last row is all this prefill's caller reads
+            argmax = self._top_rows(out.logits[0, -1:])[2]
+            ids, logits = self.no_prompt_rows()
         first = int(argmax[-1]) if sampler is None else sampler.token(out.logits[0, -1], 0)
         return self.prompt_rows(inputs.input_ids[0].numpy(), ids, logits,
                                 capture.take() if capture is not None else None), first

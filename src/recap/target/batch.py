@@ -41,6 +41,18 @@ def _positions(parts: Sequence[np.ndarray]) -> np.ndarray:
     return np.concatenate([part if part.ndim == 2 else np.repeat(part[:, None], 3, axis=1) for part in parts])
 
 
+def _logit_rows(bounds: np.ndarray, trees: int, prefills: Sequence[ChunkedPrefill]) -> np.ndarray | None:
+    """The step's rows whose logits are read: every tree row, and of each prefill chunk the
+    rows it asks for (`ChunkedPrefill.logit_rows`); None: all rows."""
+    wanted = [chunked.logit_rows() for chunked in prefills]
+    if all(rows is None for rows in wanted):
+        return None
+    parts = [np.arange(bounds[trees], dtype=np.int64)]
+    for r, rows in enumerate(wanted, start=trees):
+        parts.append(np.arange(bounds[r], bounds[r + 1], dtype=np.int64) if rows is None else rows + bounds[r])
+    return np.concatenate(parts)
+
+
 @torch.inference_mode()
 def verify_batch(lanes: Sequence[Target], roots: Sequence[int], trees: Sequence[DraftTree],
                  samplers: Sequence[Sampler | None], positions: Sequence[int],
@@ -52,8 +64,9 @@ def verify_batch(lanes: Sequence[Target], roots: Sequence[int], trees: Sequence[
         raise ValueError("a lane appears twice in one batch")
     if not can_batch([*lanes, *(p.lane for p, _ in prefills)]):
         for chunked, budget in prefills:
-            chunked.absorb(chunked.lane._fast.forward(chunked.lane._kv, *chunked.rows(budget),
-                                                      _embeds(chunked.embeds())))
+            rows = chunked.rows(budget)
+            chunked.absorb(chunked.lane._fast.forward(chunked.lane._kv, *rows, _embeds(chunked.embeds()),
+                                                      chunked.logit_rows()))
         return [lane.verify(root, tree, sampler, position)
                 for lane, root, tree, sampler, position in zip(lanes, roots, trees, samplers, positions)]
     parts = [lane._fast_rows(root, tree) for lane, root, tree in zip(lanes, roots, trees)]
@@ -68,7 +81,8 @@ def verify_batch(lanes: Sequence[Target], roots: Sequence[int], trees: Sequence[
     fast = (lanes[0] if lanes else prefills[0][0].lane)._fast
     logits = fast.forward_batch(caches, np.concatenate([part[0] for part in parts]),
                                 _positions([part[1] for part in parts]), bounds, starts.astype(np.int64),
-                                np.concatenate([part[3] for part in parts]), embeds)
+                                np.concatenate([part[3] for part in parts]), embeds,
+                                _logit_rows(bounds, len(lanes), [chunked for chunked, _ in prefills]))
     for r, (chunked, _) in enumerate(prefills, start=len(lanes)):
         chunked.absorb(logits[bounds[r]:bounds[r + 1]], int(bounds[r]))
     return [lane._fast_verified(tree, logits[bounds[r]:bounds[r + 1]], int(bounds[r]), sampler, position)

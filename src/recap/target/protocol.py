@@ -54,6 +54,11 @@ class Target(Protocol):
         """Measure (or stop measuring) the attention mass on the prompt's image; returns
         whether it is measured (False where the model or the prompt cannot give it)."""
 
+    def keep_prompt_rows(self, enabled: bool = True) -> bool:
+        """Whether the next ``prefill`` computes the Top-K rows of every prompt position (off:
+        the last row's logits only, and `PromptRows` carries empty Top-K arrays); returns
+        whether it will."""
+
     def verify_cost(self) -> CostProfile | None:
         """What verifying N tokens costs (`CostProfile`), for cost-aware proposers; None:
         unknown, so such a proposer keeps its fixed budget."""
@@ -92,6 +97,9 @@ class BaseTarget:
 
     def capture_image_attention(self, enabled: bool = True) -> bool:
         return False
+
+    def keep_prompt_rows(self, enabled: bool = True) -> bool:
+        return True  # its prefill always gives them
 
     def verify_cost(self) -> CostProfile | None:
         return None

@@ -171,25 +171,31 @@ class FastDecoder:
             out[: len(tokens)] = (rows.astype(np.uint32) << 16).view(np.float32)
 
     def forward(self, cache: KVCache, tokens: np.ndarray, positions: np.ndarray, starts: np.ndarray,
-                paths: np.ndarray, embeds: Sequence[tuple[int, np.ndarray]] = ()) -> np.ndarray:
+                paths: np.ndarray, embeds: Sequence[tuple[int, np.ndarray]] = (),
+                logit_rows: np.ndarray | None = None) -> np.ndarray:
         """Logits (M, V) of ``tokens`` (M,) at RoPE ``positions`` (M,) or M-RoPE (M, 3); packed
         node i attends to the cache's prefix and to ``paths[starts[i]:starts[i+1]]`` (packed
         indices, root first, itself last). Their K/V are written at slots cache.length + i;
         `KVCache.commit` keeps the accepted ones. ``embeds``: (first row, (n, hidden) float32)
-        input vectors that replace those rows' token embeddings (an image's features). The
-        returned array is a view into a reused buffer."""
+        input vectors that replace those rows' token embeddings (an image's features);
+        ``logit_rows``: see `forward_batch`. The returned array is a view into a reused buffer."""
         return self.forward_batch([cache], tokens, positions, np.array([0, len(tokens)], np.int64), starts, paths,
-                                  embeds)
+                                  embeds, logit_rows)
 
     def forward_batch(self, caches: Sequence[KVCache], tokens: np.ndarray, positions: np.ndarray,
                       bounds: np.ndarray, starts: np.ndarray, paths: np.ndarray,
-                      embeds: Sequence[tuple[int, np.ndarray]] = ()) -> np.ndarray:
+                      embeds: Sequence[tuple[int, np.ndarray]] = (),
+                      logit_rows: np.ndarray | None = None) -> np.ndarray:
         """One step over the packed trees of B requests: request r owns rows
         ``bounds[r]:bounds[r+1]`` (bounds: (B+1,)) and ``caches[r]``; row a attends to its own
         cache's prefix and to ``paths[starts[a]:starts[a+1]]``, indices local to its request
         (0 = that request's root). Linear layers run once over all M rows (batch-invariant, so
         a row's result never depends on the other requests); attention and the cache write
-        run per request. A request's logits are thus bit-identical to decoding it alone."""
+        run per request. A request's logits are thus bit-identical to decoding it alone.
+        ``logit_rows`` (ascending row indices; None: all): the rows whose logits the caller
+        reads. The head, a fifth of a row's arithmetic on SmolLM2, runs on those alone (a
+        prompt chunk whose Top-K rows no proposer asked for needs at most its last row's);
+        the other rows of the returned array are left stale."""
         m = len(tokens)
         rows = padded_rows(m)
         if rows > self._buffers.rows:
@@ -225,8 +231,23 @@ class FastDecoder:
             layer.down(b.gate, b.o, rows)
             b.h[:m] += b.o[:m]
         ops.rms_norm(b.h, self.norm, eps, b.x, m)
-        self.head(b.x, b.logits, rows)
+        if logit_rows is None or len(logit_rows) == m:
+            self.head(b.x, b.logits, rows)
+        elif len(logit_rows):
+            self._head_rows(np.asarray(logit_rows, np.int64))
         return b.logits[:m]
+
+    def _head_rows(self, picked: np.ndarray) -> None:
+        """The head on the ``picked`` rows only (ascending): gathered to the buffer's first
+        rows, computed there (the kernel's result for a row does not depend on which other
+        rows ride along), and moved back to their own rows, last first so that none is
+        overwritten before it is moved."""
+        b, n = self._buffers, len(picked)
+        b.x[:n] = b.x[picked]
+        self.head(b.x, b.logits, padded_rows(n))
+        for i in range(n - 1, -1, -1):
+            if picked[i] != i:
+                b.logits[picked[i]] = b.logits[i]
 
     def root_image_attention(self, cache: KVCache, image_positions: np.ndarray, row: int = 0,
                              keys: int | None = None) -> float:

@@ -48,9 +48,10 @@ class _Entry:
     keys: np.ndarray
     values: np.ndarray
     """(layers, H_kv, P, D) its K/V rows."""
-    topk_ids: np.ndarray
-    topk_logits: np.ndarray
-    """(P, K) its Top-K rows (what `PromptRows` carries for every prompt position)."""
+    topk_ids: np.ndarray | None
+    topk_logits: np.ndarray | None
+    """(P, K) its Top-K rows (what `PromptRows` carries for every prompt position); None:
+    prefilled for a proposer that did not ask for them, so they were never computed."""
 
 
 class PrefixCache:
@@ -73,12 +74,13 @@ class PrefixCache:
     def clear(self) -> None:
         self._entries.clear()
 
-    def lookup(self, tokens: np.ndarray, limit: int, scope: str = "") -> tuple[int, _Entry | None]:
+    def lookup(self, tokens: np.ndarray, limit: int, scope: str = "",
+               with_rows: bool = True) -> tuple[int, _Entry | None]:
         """(shared length, entry): the longest prefix of ``tokens`` held in ``scope``, at most
-        ``limit`` rows."""
+        ``limit`` rows; ``with_rows``: only entries that hold their Top-K rows."""
         best, best_key = 0, None
         for key, entry in self._entries.items():
-            if entry.scope != scope:
+            if entry.scope != scope or (with_rows and entry.topk_ids is None):
                 continue
             length = min(len(entry.tokens), len(tokens), limit)
             differ = np.flatnonzero(entry.tokens[:length] != tokens[:length])
@@ -92,18 +94,21 @@ class PrefixCache:
         self.reused_tokens += best
         return best, self._entries[best_key]
 
-    def store(self, tokens: np.ndarray, cache: KVCache, topk_ids: np.ndarray, topk_logits: np.ndarray,
-              scope: str = "") -> None:
-        """Keep a prefilled prompt (its rows copied out of ``cache``) for ``scope``."""
+    def store(self, tokens: np.ndarray, cache: KVCache, topk_ids: np.ndarray | None,
+              topk_logits: np.ndarray | None, scope: str = "") -> None:
+        """Keep a prefilled prompt (its rows copied out of ``cache``) for ``scope``; Top-K rows
+        None: not computed (an entry that has them is then not replaced by this one)."""
         length = len(tokens)
         if length > self.max_tokens or length == 0:
             return
         for key, entry in list(self._entries.items()):  # a prompt that extends a held one replaces it
             if entry.scope == scope and len(entry.tokens) <= length and \
-                    np.array_equal(entry.tokens, tokens[: len(entry.tokens)]):
+                    np.array_equal(entry.tokens, tokens[: len(entry.tokens)]) and \
+                    (topk_ids is not None or entry.topk_ids is None):
                 del self._entries[key]
+        rows = (None, None) if topk_ids is None else (topk_ids.copy(), topk_logits.copy())
         self._entries[self._next] = _Entry(scope, tokens.copy(), cache.keys[:, :, :length].copy(),
-                                           cache.values[:, :, :length].copy(), topk_ids.copy(), topk_logits.copy())
+                                           cache.values[:, :, :length].copy(), *rows)
         self._next += 1
         while self.tokens > self.max_tokens:
             self._entries.popitem(last=False)
@@ -118,7 +123,11 @@ class ChunkedPrefill:
 
     The cache is asked when the first chunk is about to run, not when the request is admitted,
     and every chunk publishes the rows computed so far: requests admitted together (a burst of
-    clients with one system prompt) then compute the shared prefix once, not once each."""
+    clients with one system prompt) then compute the shared prefix once, not once each.
+
+    The Top-K rows of every prompt position are computed only where the lane was asked to keep
+    them (`TargetModel.keep_prompt_rows`: the proposer seeds memories from them); otherwise
+    only the last row's logits are (`logit_rows`), and `PromptRows` carries empty arrays."""
 
     def __init__(self, lane: TargetModel, prompt: np.ndarray, language: LanguageInputs | None = None):
         self.lane, self.prompt, self.language = lane, prompt, language
@@ -127,6 +136,9 @@ class ChunkedPrefill:
             torch.from_numpy(np.flatnonzero(prompt == lane._image_token))
         self._image_attention: float | None = None
         lane._packed = 0
+        self.keeps_rows = lane._prompt_rows
+        """Whether every prompt row's Top-K is computed (else the last row's logits only)."""
+        lane._prompt_rows = True  # the request's choice is spent: a later prefill keeps them unless told
         lane._kv = lane._fast.new_cache(len(prompt) + 256)
         lane.past_len = 0
         self._shareable = len(prompt) if language is None else language.first_image_row
@@ -147,11 +159,12 @@ class ChunkedPrefill:
         self._looked_up = True
         lane = self.lane
         reused, entry = lane.prefix_cache.lookup(self.prompt, min(len(self.prompt) - 1, self._shareable),
-                                                 lane.prefix_scope)
+                                                 lane.prefix_scope, with_rows=self.keeps_rows)
         if reused:
             lane._kv.load(entry.keys[:, :, :reused], entry.values[:, :, :reused], reused)
-            self._ids.append(entry.topk_ids[:reused])
-            self._logits.append(entry.topk_logits[:reused])
+            if self.keeps_rows:
+                self._ids.append(entry.topk_ids[:reused])
+                self._logits.append(entry.topk_logits[:reused])
             lane.past_len = reused
 
     @property
@@ -176,6 +189,15 @@ class ChunkedPrefill:
             self.language.positions[done:done + len(tokens)]
         return tokens, positions, starts, paths
 
+    def logit_rows(self) -> np.ndarray | None:
+        """The current chunk's rows whose logits `absorb` reads (chunk-local, ascending): None,
+        all of them, where the Top-K rows are kept; else the last one if this chunk ends the
+        prompt, or none."""
+        if self.keeps_rows:
+            return None
+        ends = self.lane.past_len + self._chunk == len(self.prompt)
+        return np.array([self._chunk - 1] if ends else [], np.int64)
+
     def embeds(self) -> np.ndarray | None:
         """The current chunk's input vectors (n, hidden) for an image prompt; None: its
         tokens' embeddings."""
@@ -196,17 +218,25 @@ class ChunkedPrefill:
         if self.finished and capture is not None and capture.enabled and lane._image_positions is not None:
             self._image_attention = lane._fast.root_image_attention(
                 kv, lane._image_positions.numpy(), first_row + self._chunk - 1, keys=kv.length)
-        top_ids, top_logits, argmax = lane._top_rows(torch.from_numpy(logits))
-        self._ids.append(top_ids)
-        self._logits.append(top_logits)
-        self._last, self._greedy = torch.from_numpy(logits[-1].copy()), int(argmax[-1])
-        self._ids, self._logits = [np.concatenate(self._ids)], [np.concatenate(self._logits)]
+        if self.keeps_rows:
+            top_ids, top_logits, argmax = lane._top_rows(torch.from_numpy(logits))
+            self._ids.append(top_ids)
+            self._logits.append(top_logits)
+            self._ids, self._logits = [np.concatenate(self._ids)], [np.concatenate(self._logits)]
+            self._last, self._greedy = torch.from_numpy(logits[-1].copy()), int(argmax[-1])
+        elif self.finished:  # only the last row's logits were computed
+            self._last = torch.from_numpy(logits[-1].copy())
+            self._greedy = int(lane._top_rows(self._last[None])[2][0])
         shared = min(lane.past_len, self._shareable)
         if lane.past_len - self._chunk < self._shareable:  # this chunk added shareable rows
-            lane.prefix_cache.store(self.prompt[:shared], kv, self._ids[0][:shared], self._logits[0][:shared],
-                                    lane.prefix_scope)
+            rows = (self._ids[0][:shared], self._logits[0][:shared]) if self.keeps_rows else (None, None)
+            lane.prefix_cache.store(self.prompt[:shared], kv, *rows, lane.prefix_scope)
 
     def result(self, sampler: Sampler | None = None) -> tuple[PromptRows, int]:
         """What ``prefill`` returns: the prompt's rows and the first token."""
         first = self._greedy if sampler is None else sampler.token(self._last, 0)
-        return self.lane.prompt_rows(self.prompt, self._ids[0], self._logits[0], self._image_attention), first
+        if self.keeps_rows:
+            ids, logits = self._ids[0], self._logits[0]
+        else:
+            ids, logits = self.lane.no_prompt_rows()
+        return self.lane.prompt_rows(self.prompt, ids, logits, self._image_attention), first
