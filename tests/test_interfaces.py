@@ -11,7 +11,7 @@ import pytest
 
 import recap
 from recap import decoding
-from recap.core import CostProfile, DraftTree
+from recap.core import ROWS_WANTED, CostProfile, DraftTree
 from recap.decoding import Decoding, decode
 from recap.errors import InputError
 from recap.overhead import SyntheticTarget
@@ -28,8 +28,9 @@ VOCAB = 2048
 def test_every_registered_proposer_satisfies_the_protocol(name):
     proposer = make_proposer(name)
     assert isinstance(proposer, Proposer)
-    for flag in ("stream_state", "wants_cost", "wants_image_attention", "wants_prompt_rows"):
+    for flag in ("stream_state", "wants_cost", "wants_image_attention"):
         assert isinstance(getattr(proposer, flag), bool), flag
+    assert proposer.prompt_rows in ROWS_WANTED
     assert isinstance(proposer.stage_times(), dict)
 
 
@@ -37,9 +38,12 @@ def test_only_the_methods_that_ask_declare_it():
     assert make_proposer("recap").wants_cost and not make_proposer("recap-paper").wants_cost
     assert make_proposer("sam-viskip").wants_image_attention and not make_proposer("sam").wants_image_attention
     assert not any(make_proposer(name).wants_image_attention for name in PROPOSERS if name != "sam-viskip")
-    seeding = {"recap", "recap-paper", "token-recycling", "tree-recycling"}  # seed from the prompt's Top-K rows
-    assert all(make_proposer(name).wants_prompt_rows for name in seeding)
-    assert not any(make_proposer(name).wants_prompt_rows for name in ("ar", "pld", "sam", "sam-viskip", "lookahead"))
+    rows = {name: make_proposer(name).prompt_rows for name in PROPOSERS}
+    seeding = {"recap", "recap-paper", "tree-recycling"}  # seed from each eligible prompt token's first row
+    testing = {"decoy", "random"}  # test drafters keep the safe default
+    assert {name for name, wanted in rows.items() if wanted == "first"} == seeding
+    assert {name for name, wanted in rows.items() if wanted == "all"} == testing
+    assert {name for name, wanted in rows.items() if wanted == "none"} == set(PROPOSERS) - seeding - testing
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
@@ -91,12 +95,12 @@ class RecordingTarget(SyntheticTarget):
     def __init__(self, *args, **options):
         super().__init__(*args, cost_profile=CostProfile.linear(0.1), **options)
         self.capture_requests: list[bool] = []
-        self.rows_requests: list[bool] = []
+        self.rows_requests: list[str] = []
         self.cost_requests = 0
 
-    def keep_prompt_rows(self, enabled: bool = True) -> bool:
-        self.rows_requests.append(enabled)
-        return True
+    def keep_prompt_rows(self, rows="all"):
+        self.rows_requests.append(rows)
+        return "all"
 
     def capture_image_attention(self, enabled: bool = True) -> bool:
         self.capture_requests.append(enabled)
@@ -113,7 +117,7 @@ class AskingDrafter(PromptLookupProposer):
     name = "asking"
     wants_cost = True
     wants_image_attention = True
-    wants_prompt_rows = True
+    prompt_rows = "first"
 
     def propose(self, history, limits=None):
         self.limits = limits
@@ -131,7 +135,7 @@ def test_declared_wishes_reach_the_target():
     plain = PromptLookupProposer()
     decode(target, plain, prompt, max_new_tokens=6)
     assert target.capture_requests == [True, False] and target.cost_requests == 1  # not asked, not measured
-    assert target.rows_requests == [True, False]  # PLD never reads the prompt's Top-K rows
+    assert target.rows_requests == ["first", "none"]  # PLD never reads the prompt's Top-K rows
 
 
 def test_declared_limits_are_enforced():
@@ -159,7 +163,7 @@ def test_sampling_on_a_greedy_only_target_is_refused_up_front():
 def test_base_proposer_defaults_ask_for_nothing():
     base = BaseProposer()
     assert not base.wants_cost and not base.wants_image_attention and not base.stream_state
-    assert base.wants_prompt_rows  # the safe default: a method reading the prompt's Top-K rows gets them
+    assert base.prompt_rows == "all"  # the safe default: a method reading the prompt's Top-K rows gets them
     assert base.stage_times() == {}
     base.set_reference([1, 2, 3])  # accepted and ignored
 

@@ -1,11 +1,13 @@
-"""Prefill computes the prompt's Top-K rows only for proposers that read them.
+"""Prefill computes the prompt's Top-K rows only where a proposer reads them.
 
-AR, PLD, SAM and lookahead never read `PromptRows.topk_ids`, so their prefill runs the LM
-head on the last prompt row alone (as `model.generate` does with ``logits_to_keep=1``); RECAP
-and token recycling seed from every row and get them all. Outputs stay those of decoding alone,
-the head's picked rows are bit-identical to computing all rows, a row-less prefix-cache
-entry never stands in for one with rows, and a head that leaves the picked rows where it
-computed them is caught."""
+AR, PLD, SAM, lookahead and token recycling never read `PromptRows.topk_ids` (``none``), so
+their prefill runs the LM head on the last prompt row alone (as `model.generate` does with
+``logits_to_keep=1``); RECAP and tree recycling read each eligible token's first row
+(``first``), so image placeholders, special tokens and repeats get no head. Outputs stay
+those of decoding alone, the computed rows are bit-identical to computing all rows (fast
+kernels), RECAP's seeded memory is the same as from every row, a proposer reading a row it
+did not ask for is stopped, a prefix-cache entry never stands in for more rows than it has,
+and a head that leaves the picked rows where it computed them is caught."""
 
 from __future__ import annotations
 
@@ -14,14 +16,18 @@ import pytest
 
 from recap import generate
 from recap.batching import generate_batch
+from recap.core import NOT_COMPUTED, first_eligible
 from recap.decoding import decode
+from recap.images import synthetic_image
 from recap.proposers import make_proposer
+from recap.target import base as target_base
 from recap.target.kernels import decoder as decoder_module
-from recap.target.kernels.prefix import PrefixCache, chain
+from recap.target.kernels.linear import padded_rows
+from recap.target.kernels.prefix import PREFILL_CHUNK, PrefixCache, chain
 from tests.conftest import TINY_MODELS, load_target
 
-QUESTIONS = ("Name a large river and say where it flows.", "Name a tall mountain.", "Name a deep lake, please.",
-             "Count from one to five.")
+QUESTIONS = ("Name a large river and say where it flows, the river and the sea.", "Name a tall mountain.",
+             "Name a deep lake, please.", "Count from one to five.")
 
 
 def _head_rows_counted(target, monkeypatch) -> list[int]:
@@ -37,11 +43,25 @@ def _head_rows_counted(target, monkeypatch) -> list[int]:
     return calls
 
 
+def _image_inputs(target, question: str):
+    return target.prepare(question, synthetic_image(0, 40, 40) if target.accepts_images else None)
+
+
+def _prefill(target, inputs, rows: str):
+    target.prefix_cache.clear()
+    target.keep_prompt_rows(rows)
+    prompt, first = target.prefill(inputs)
+    target.release()
+    return prompt, first
+
+
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_ar_prefills_the_last_row_only_and_recap_every_row(name, monkeypatch):
+def test_each_method_prefills_the_rows_it_reads(name, monkeypatch):
+    """AR: the last row; RECAP: each eligible token's first row and the last, the others
+    marked not computed; the head runs on those rows only; all three give one first token."""
     target = load_target(name)
     target.prefix_cache = PrefixCache()
-    inputs = target.prepare(QUESTIONS[0])
+    inputs = _image_inputs(target, QUESTIONS[0])
     length = target.prompt_length(inputs)
     calls = _head_rows_counted(target, monkeypatch)
     ar = decode(target, make_proposer("ar"), inputs, max_new_tokens=1)
@@ -54,29 +74,106 @@ def test_ar_prefills_the_last_row_only_and_recap_every_row(name, monkeypatch):
     calls.clear()
     full = decode(target, recap, inputs, max_new_tokens=1)
     assert ar.tokens == full.tokens
-    assert ar_rows <= 4 < length <= sum(calls)
-    assert seen[0].topk_ids.shape == (length, target.top_k)
+    prompt = seen[0]
+    wanted = np.union1d(first_eligible(prompt.ids, prompt.eligible), [length - 1])
+    assert ar_rows <= padded_rows(1) and len(wanted) < length  # the chat template repeats tokens
+    chunks = [np.count_nonzero((wanted >= start) & (wanted < start + PREFILL_CHUNK))
+              for start in range(0, length, PREFILL_CHUNK)]
+    assert sum(calls) == sum(padded_rows(n) for n in chunks if n)  # each chunk's picked rows, padded to the block
+    computed = prompt.topk_ids[:, 0] != NOT_COMPUTED
+    assert prompt.topk_ids.shape == (length, target.top_k) and np.array_equal(np.flatnonzero(computed), wanted)
+    assert np.all(prompt.topk_logits[~computed] == -np.inf)
+    every, first = _prefill(target, inputs, "all")
+    assert first == full.tokens[0] and (every.topk_ids[:, 0] != NOT_COMPUTED).all()
 
 
-def test_the_choice_is_one_requests(monkeypatch):
-    """A prefill after an AR request keeps its rows again unless told otherwise."""
+@pytest.mark.parametrize("kernels", ["fast", "stock"])
+def test_first_rows_are_those_of_every_row(kernels):
+    """The rows a ``first`` prefill computes: bit-identical to an ``all`` prefill's on the
+    fast kernels (the head's rows are independent); on stock, transformers' head over fewer
+    rows may round differently, so the same Top-K ids and logits within float tolerance."""
+    target = load_target("tiny-llama", kernels=kernels)
+    target.prefix_cache = PrefixCache()
+    inputs = target.prepare(QUESTIONS[0])
+    every, first_all = _prefill(target, inputs, "all")
+    some, first_some = _prefill(target, inputs, "first")
+    none, first_none = _prefill(target, inputs, "none")
+    assert first_all == first_some == first_none and none.topk_ids.shape == (0, target.top_k)
+    rows = np.flatnonzero(some.topk_ids[:, 0] != NOT_COMPUTED)
+    assert 0 < len(rows) < len(every.ids)
+    if kernels == "fast":
+        assert np.array_equal(some.topk_ids[rows], every.topk_ids[rows])
+        assert np.array_equal(some.topk_logits[rows], every.topk_logits[rows])
+    else:
+        assert np.array_equal(some.topk_ids[rows, 0], every.topk_ids[rows, 0])
+        assert np.allclose(some.topk_logits[rows], every.topk_logits[rows], atol=1e-4)
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_recap_seeds_the_same_memory_from_its_rows(name):
+    """RECAP's token memory after seeding from a ``first`` prefill equals the one from every
+    row (the rows it reads are the rows computed); its outputs stay those of AR, with drafts
+    accepted."""
+    target = load_target(name)
+    target.prefix_cache = PrefixCache()
+    inputs = _image_inputs(target, QUESTIONS[0])
+    memories = []
+    for rows in ("all", "first"):
+        prompt, _ = _prefill(target, inputs, rows)
+        recap = make_proposer("recap")
+        recap.begin_request(prompt)
+        memories.append(recap.memory.table("unigram"))
+        recap.end_request()
+    assert memories[0] and memories[0] == memories[1]
+    target.prefix_cache.clear()
+    reference = decode(target, make_proposer("ar"), inputs, max_new_tokens=24)
+    target.prefix_cache.clear()
+    stream = make_proposer("recap")
+    decode(target, stream, inputs, max_new_tokens=24)  # the stream learns the answer
+    target.prefix_cache.clear()
+    again = decode(target, stream, inputs, max_new_tokens=24)
+    assert again.tokens == reference.tokens and sum(it.accepted for it in again.iterations) > 0
+
+
+def test_a_prefill_that_computes_other_rows_is_caught(monkeypatch):
+    """Negative control: a target that computes each token's last occurrence instead of its
+    first leaves RECAP's (and tree recycling's) rows uncomputed: seeding refuses them."""
+    target = load_target("tiny-llama")
+    target.prefix_cache = PrefixCache()
+    inputs = target.prepare(QUESTIONS[0])
+
+    def last_eligible(ids, eligible):
+        reversed_first = first_eligible(np.asarray(ids)[::-1], np.asarray(eligible)[::-1])
+        return np.sort(len(ids) - 1 - reversed_first)
+
+    monkeypatch.setattr(target_base, "first_eligible", last_eligible)
+    prompt, _ = _prefill(target, inputs, "first")
+    for method in ("recap", "tree-recycling"):
+        with pytest.raises(ValueError, match="not computed"):
+            make_proposer(method).begin_request(prompt)
+
+
+def test_the_choice_is_one_requests():
+    """A prefill after an AR request keeps all its rows again unless told otherwise."""
     target = load_target("tiny-llama")
     target.prefix_cache = PrefixCache()
     inputs = target.prepare(QUESTIONS[1])
     decode(target, make_proposer("ar"), inputs, max_new_tokens=2)
     rows, _ = target.prefill(inputs)
     target.release()
-    assert rows.topk_ids.shape[0] == target.prompt_length(inputs)
-    assert not target.keep_prompt_rows(False)
+    assert (rows.topk_ids[:, 0] != NOT_COMPUTED).all() and len(rows.topk_ids) == target.prompt_length(inputs)
+    assert target.keep_prompt_rows("none") == "none"
     rows, _ = target.prefill(inputs)
     target.release()
     assert rows.topk_ids.shape == (0, target.top_k)
+    with pytest.raises(ValueError, match="prompt rows"):
+        target.keep_prompt_rows(True)
 
 
 def test_the_stock_prefill_keeps_one_row_too():
     target = load_target("tiny-llama", kernels="stock")
     inputs = target.prepare(QUESTIONS[2])
-    target.keep_prompt_rows(False)
+    target.keep_prompt_rows("none")
     rows, first = target.prefill(inputs)
     target.release()
     assert rows.topk_ids.shape == (0, target.top_k)
@@ -85,6 +182,7 @@ def test_the_stock_prefill_keeps_one_row_too():
     assert full.topk_ids.shape[0] == target.prompt_length(inputs) and first == first_full
     reference = target.reference_generate(inputs, 8)
     assert decode(target, make_proposer("sam"), inputs, max_new_tokens=8).tokens == reference
+    assert decode(target, make_proposer("recap"), inputs, max_new_tokens=8).tokens == reference
 
 
 def test_the_head_on_picked_rows_gives_their_bits():
@@ -140,28 +238,34 @@ def test_a_head_that_leaves_picked_rows_in_place_is_caught(monkeypatch):
     assert decode(target, make_proposer("ar"), inputs, max_new_tokens=6).tokens != right
 
 
-def test_a_row_less_cache_entry_never_stands_in_for_rows():
-    """AR's prefill stores its K/V without Top-K rows: RECAP's prefill of the same prompt
-    computes its rows (the same bits as a cold prefill); an entry with rows serves AR too, and
-    AR's own entry does not replace it."""
+def test_a_cache_entry_serves_only_the_rows_it_has():
+    """A prefix-cache entry serves a prefill only if it computed every row that prefill reads
+    (none < first < all), with the same bits as a cold prefill, and a store with fewer rows
+    never replaces an entry with more."""
     target = load_target("tiny-llama")
     target.prefix_cache = cache = PrefixCache()
     inputs = target.prepare(QUESTIONS[1])
-    cold, _ = target.prefill(inputs)
-    target.release()
+    cold = {rows: _prefill(target, inputs, rows)[0] for rows in ("all", "first", "none")}
+
+    def prefill(rows: str) -> tuple[bool, object]:
+        hits = cache.hits
+        target.keep_prompt_rows(rows)
+        prompt, _ = target.prefill(inputs)
+        target.release()
+        return cache.hits > hits, prompt
+
+    serves = {"none": ("none",), "first": ("none", "first"), "all": ("none", "first", "all")}
+    for held, served in serves.items():
+        for asked in ("none", "first", "all"):
+            cache.clear()
+            prefill(held)
+            hit, prompt = prefill(asked)
+            assert hit == (asked in served), (held, asked)
+            wanted = cold[asked].topk_ids[:, 0] != NOT_COMPUTED if asked != "none" else slice(0)
+            assert np.array_equal(prompt.topk_ids[wanted], cold[asked].topk_ids[wanted])
+            assert np.array_equal(prompt.topk_logits[wanted], cold[asked].topk_logits[wanted])
     cache.clear()
-    target.keep_prompt_rows(False)
-    target.prefill(inputs)
-    target.release()
-    hits = cache.hits
-    rows, _ = target.prefill(inputs)
-    target.release()
-    assert cache.hits == hits  # the row-less entry was not used
-    assert np.array_equal(rows.topk_ids, cold.topk_ids) and np.array_equal(rows.topk_logits, cold.topk_logits)
-    target.keep_prompt_rows(False)
-    target.prefill(inputs)  # reuses the entry with rows, stores a row-less one beside it
-    target.release()
-    assert cache.hits == hits + 1
-    rows, _ = target.prefill(inputs)
-    target.release()
-    assert cache.hits == hits + 2 and np.array_equal(rows.topk_logits, cold.topk_logits)
+    prefill("all")
+    prefill("none")  # reuses the entry with rows, stores a row-less one beside it
+    prefill("first")
+    assert prefill("all")[0]  # the entry with every row is still there

@@ -231,7 +231,7 @@ class _Profiled:
         self.inner, self.profiler = inner, profiler
         self.name, self.stream_state = inner.name, inner.stream_state
         self.wants_cost, self.wants_image_attention = inner.wants_cost, inner.wants_image_attention
-        self.wants_prompt_rows = inner.wants_prompt_rows
+        self.prompt_rows = inner.prompt_rows
 
     def begin_request(self, prompt: PromptRows) -> None:
         self.inner.begin_request(prompt)

@@ -3,9 +3,20 @@
 from recap.core.adjacency import AdjacencyMatrix
 from recap.core.cost import CostProfile, ProfileError
 from recap.core.static_tree import StaticTreeTemplate
-from recap.core.steps import DraftOffer, PromptRows, StepLimits, VerifiedTree
+from recap.core.steps import (
+    NOT_COMPUTED,
+    ROWS_WANTED,
+    DraftOffer,
+    PromptRows,
+    RowsWanted,
+    StepLimits,
+    VerifiedTree,
+    first_eligible,
+    rows_at,
+)
 from recap.core.tree import ROOT, DraftTree, TreeBuilder
 from recap.core.trie import NGramTrie
 
-__all__ = ["ROOT", "AdjacencyMatrix", "CostProfile", "DraftOffer", "DraftTree", "NGramTrie", "ProfileError",
-           "PromptRows", "StaticTreeTemplate", "StepLimits", "TreeBuilder", "VerifiedTree"]
+__all__ = ["NOT_COMPUTED", "ROOT", "ROWS_WANTED", "AdjacencyMatrix", "CostProfile", "DraftOffer", "DraftTree",
+           "NGramTrie", "ProfileError", "PromptRows", "RowsWanted", "StaticTreeTemplate", "StepLimits", "TreeBuilder",
+           "VerifiedTree", "first_eligible", "rows_at"]

@@ -43,6 +43,8 @@ import numpy as np
 from numba import njit, types
 from numba.typed import Dict
 
+from recap.core.steps import first_eligible, rows_at
+
 FUSION_CODES = {"entropy": 0, "no-confidence": 1, "no-prior": 2, "uniform": 3, "gate": 4, "backoff": 5,
                 "unigram": 6}
 """Fusion mode -> integer code for `FastMemory.build_tree`."""
@@ -659,13 +661,10 @@ class FastMemory:
                          eligible: np.ndarray) -> None:
         """U[token] <- the prefill row at each eligible token's first occurrence in the prompt."""
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        eligible = np.asarray(eligible, dtype=bool).reshape(-1)
-        candidates = np.flatnonzero(eligible)
-        if not len(candidates):
+        positions = first_eligible(ids, eligible)  # the rows a ``first`` prefill computes
+        if not len(positions):
             return
-        _, first = np.unique(ids[candidates], return_index=True)
-        positions = np.sort(candidates[first])
-        row_ids, probs, confidence = self._rows(np.asarray(topk_ids)[positions], np.asarray(topk_logits)[positions])
+        row_ids, probs, confidence = self._rows(*rows_at(topk_ids, topk_logits, positions))
         self._reserve(len(positions))
         n_rows = _store_unigram(self.unigram, self._ids, self._probs, self._conf, self._len, self._n_rows,
                                 self.vocab_size, ids[positions], row_ids, probs, confidence)

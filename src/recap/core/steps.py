@@ -4,11 +4,43 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
 from recap.core.cost import CostProfile
 from recap.core.tree import DraftTree
+
+RowsWanted = Literal["all", "first", "none"]
+"""Which prompt rows' Top-K a proposer reads (`Proposer.prompt_rows`), so that prefill runs
+the LM head on those alone (the last row's logits are always computed): ``all``; ``first``,
+the row at each eligible token's first occurrence (`first_eligible`: what token-keyed
+memories seed from); ``none``."""
+ROWS_WANTED: tuple[RowsWanted, ...] = ("none", "first", "all")
+"""Narrowest first: rows computed for a choice serve every choice before it."""
+NOT_COMPUTED = -1
+"""``PromptRows.topk_ids`` of a row prefill did not compute (its logits are -inf)."""
+
+
+def first_eligible(ids: np.ndarray, eligible: np.ndarray) -> np.ndarray:
+    """Positions (ascending) of each eligible token's first occurrence in the prompt: the
+    rows a ``first`` proposer reads and a ``first`` prefill computes."""
+    candidates = np.flatnonzero(np.asarray(eligible, dtype=bool).reshape(-1))
+    if not len(candidates):
+        return candidates
+    _, first = np.unique(np.asarray(ids).reshape(-1)[candidates], return_index=True)
+    return np.sort(candidates[first])
+
+
+def rows_at(topk_ids: np.ndarray, topk_logits: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The Top-K rows at ``positions``; a ValueError where prefill did not compute one (a
+    proposer reading rows its `RowsWanted` did not ask for), never a silent seed of -1s."""
+    ids = np.asarray(topk_ids)[positions]
+    if len(ids) and ids.shape[1] and bool((ids[:, 0] == NOT_COMPUTED).any()):
+        missing = np.asarray(positions)[ids[:, 0] == NOT_COMPUTED]
+        raise ValueError(f"prompt rows {missing[:8].tolist()} were not computed: the proposer reads rows "
+                         "its prompt_rows did not ask for")
+    return ids, np.asarray(topk_logits)[positions]
 
 
 @dataclass(frozen=True)
@@ -17,7 +49,9 @@ class PromptRows:
 
     Row p (``topk_ids[p]``, ``topk_logits[p]``, highest first) is the Top-K after prompt
     token p. ``eligible[p]`` is False for image placeholders and special tokens, whose rows
-    must not seed token-keyed memories.
+    must not seed token-keyed memories. A prefill asked for ``first`` rows only
+    (`RowsWanted`) leaves the others ``NOT_COMPUTED`` (id -1, logits -inf); one asked for
+    ``none`` gives (0, K) arrays.
     """
 
     ids: np.ndarray

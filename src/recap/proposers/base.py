@@ -10,7 +10,7 @@ import copy
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
-from recap.core import DraftOffer, DraftTree, PromptRows, StepLimits, VerifiedTree
+from recap.core import DraftOffer, DraftTree, PromptRows, RowsWanted, StepLimits, VerifiedTree
 
 
 @runtime_checkable
@@ -34,10 +34,10 @@ class Proposer(Protocol):
     """True: the loop turns the target's image-attention capture on for the request, so
     ``PromptRows.image_attention`` and ``VerifiedTree.image_attention`` carry the measurement
     (None where the prompt has no image or the target cannot capture)."""
-    wants_prompt_rows: bool
-    """True: prefill computes the Top-K rows of every prompt position (``PromptRows.topk_ids``,
-    ``topk_logits``) for the method to seed from; False: it never reads them, so only the last
-    prompt row's logits are computed (empty arrays), as `model.generate` does."""
+    prompt_rows: RowsWanted
+    """Which prompt rows' Top-K (``PromptRows.topk_ids``, ``topk_logits``) the method reads:
+    ``all``; ``first``, each eligible token's first occurrence (token-keyed memories seed from
+    those); ``none``. Prefill runs the LM head on those rows and the last one alone."""
 
     def begin_request(self, prompt: PromptRows) -> None: ...
 
@@ -79,9 +79,10 @@ class BaseProposer:
     Recycling's matrix, Lookahead's output trie. Benchmarks checkpoint such streams."""
     wants_cost = False
     wants_image_attention = False
-    wants_prompt_rows = True
-    """The safe default: a method that reads the prompt's Top-K rows gets them; those that
-    never do say so (AR, PLD, SAM, lookahead), and their prefill skips the head on the rest."""
+    prompt_rows: RowsWanted = "all"
+    """The safe default: a method that reads the prompt's Top-K rows gets them all; those that
+    read fewer say so (RECAP and tree recycling ``first``; AR, PLD, SAM, lookahead and token
+    recycling ``none``), and their prefill skips the head on the rest."""
 
     def begin_request(self, prompt: PromptRows) -> None:
         self.prompt = prompt
@@ -118,4 +119,4 @@ class AutoregressiveProposer(BaseProposer):
     It runs through exactly the same loop as every drafter, which keeps timings fair."""
 
     name = "ar"
-    wants_prompt_rows = False
+    prompt_rows: RowsWanted = "none"

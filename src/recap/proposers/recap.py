@@ -154,6 +154,7 @@ method's own ingredients; on ``recap-paper`` they change nothing but ``no-cost``
 class RecapProposer(BaseProposer):
     name = "recap"
     stream_state = True
+    prompt_rows = "first"  # `FastMemory.seed_from_prompt` reads each eligible token's first row
     default_config = RecapConfig()
 
     def __init__(self, config: RecapConfig | None = None, *, ablation: str | None = None,

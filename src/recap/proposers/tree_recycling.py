@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recap.core import PromptRows
+from recap.core import PromptRows, first_eligible, rows_at
 from recap.core.adjacency import UNKNOWN, AdjacencyMatrix
 from recap.core.static_tree import StaticTreeTemplate
 from recap.errors import InputError
@@ -32,6 +32,7 @@ class TreeRecyclingProposer(RecyclingProposer):
 
     name = "tree-recycling"
     first_wins = True
+    prompt_rows = "first"  # seeded from each eligible prompt token's first row
 
     def __init__(self, *, width: int = 2, depth: int = 4, top_k: int = 4):
         if not 1 <= width <= top_k:
@@ -46,8 +47,9 @@ class TreeRecyclingProposer(RecyclingProposer):
         """Empty the matrix, then seed it from the eligible prompt rows (first occurrence)."""
         super().begin_request(prompt)
         self.matrix.reset()
-        eligible = np.asarray(prompt.eligible, dtype=bool)
-        self.matrix.write(np.asarray(prompt.ids)[eligible], np.asarray(prompt.topk_ids)[eligible], first_wins=True)
+        positions = first_eligible(prompt.ids, prompt.eligible)
+        self.matrix.write(np.asarray(prompt.ids)[positions], rows_at(prompt.topk_ids, prompt.topk_logits, positions)[0],
+                          first_wins=True)
 
     def end_request(self) -> None:
         """The matrix is request-local: drop its rows now."""

@@ -23,7 +23,16 @@ import torch
 from PIL import Image
 from transformers import DynamicCache, GenerationConfig
 
-from recap.core import CostProfile, DraftTree, PromptRows, VerifiedTree
+from recap.core import (
+    NOT_COMPUTED,
+    ROWS_WANTED,
+    CostProfile,
+    DraftTree,
+    PromptRows,
+    RowsWanted,
+    VerifiedTree,
+    first_eligible,
+)
 from recap.errors import InputError
 from recap.target.attention import compact_cache, tree_attention_mask, tree_positions
 from recap.target.image_attention import ImageAttentionCapture
@@ -135,8 +144,8 @@ class TargetModel(BaseTarget):
         """The fast path's logits (N, V) of the last verify (a reused buffer), for tests."""
         self.prefix_scope = ""
         """Whose cached prompt prefixes this request may reuse (`PrefixCache`; the server: its tenant)."""
-        self._prompt_rows = True
-        """Whether prefill computes every prompt position's Top-K (`keep_prompt_rows`)."""
+        self._prompt_rows: RowsWanted = "all"
+        """Which prompt rows' Top-K the next prefill computes (`keep_prompt_rows`)."""
 
     @property
     def batches(self) -> bool:
@@ -226,16 +235,41 @@ class TargetModel(BaseTarget):
     def prompt_length(self, inputs: ModelInputs) -> int:
         return int(inputs.input_ids.shape[1])
 
-    def keep_prompt_rows(self, enabled: bool = True) -> bool:
-        """Whether the next prefill computes the Top-K rows of every prompt position: on by
-        default, and on again after each prefill (the choice is one request's). Off, for
-        proposers that never read them (AR, PLD, SAM, lookahead), only the last row's logits
-        are computed, as `model.generate` does (``logits_to_keep=1``): the LM head is about a
-        fifth of a prompt row's arithmetic on SmolLM2, and a method should not pay for what
-        only another method uses. `PromptRows` then carries empty Top-K arrays. Returns
-        whether the rows will be computed."""
-        self._prompt_rows = bool(enabled)
-        return self._prompt_rows
+    def keep_prompt_rows(self, rows: RowsWanted = "all") -> RowsWanted:
+        """Which prompt rows' Top-K the next prefill computes: ``all`` by default, and again
+        after each prefill (the choice is one request's). ``first`` (RECAP, tree recycling:
+        they seed token-keyed memories from each eligible token's first row) and ``none``
+        (AR, PLD, SAM, lookahead, token recycling) run the LM head on those rows and the last
+        one alone, as `model.generate` does for the last (``logits_to_keep``): the head is
+        about a fifth of a prompt row's arithmetic on SmolLM2 (more with a larger vocabulary),
+        an image's placeholder rows are never read, and a method should not pay for what only
+        another method uses. Rows not computed are `recap.core.NOT_COMPUTED` (``none``: empty
+        arrays). Returns the choice."""
+        if rows not in ROWS_WANTED:
+            raise ValueError(f"prompt rows must be one of {', '.join(ROWS_WANTED)}, got {rows!r}")
+        self._prompt_rows = rows
+        return rows
+
+    def wanted_rows(self, prompt: np.ndarray, rows: RowsWanted) -> np.ndarray | None:
+        """The positions (ascending) whose logits a prefill computes for ``rows``: None for
+        ``all``; the last row always."""
+        if rows == "all":
+            return None
+        last = np.array([len(prompt) - 1], np.int64)
+        if rows == "none":
+            return last
+        return np.union1d(first_eligible(prompt, self.eligible(prompt)), last).astype(np.int64)
+
+    def spread_rows(self, length: int, positions: np.ndarray | None, topk_ids: np.ndarray,
+                    topk_logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(length, K) Top-K arrays holding the rows computed at ``positions`` (None: all of
+        them, as they are), every other row `recap.core.NOT_COMPUTED`."""
+        if positions is None:
+            return topk_ids, topk_logits
+        ids = np.full((length, topk_ids.shape[1]), NOT_COMPUTED, np.int64)
+        logits = np.full((length, topk_ids.shape[1]), -np.inf, np.float32)
+        ids[positions], logits[positions] = topk_ids, topk_logits
+        return ids, logits
 
     def no_prompt_rows(self) -> tuple[np.ndarray, np.ndarray]:
         """The (0, K) Top-K arrays of a prefill that kept no prompt rows."""
@@ -298,9 +332,10 @@ class TargetModel(BaseTarget):
         extra = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in inputs.extra.items()}
         positions = self._prefill_positions(inputs)
         capture = self._arm_capture(-1, input_ids)
-        keep_rows, self._prompt_rows = self._prompt_rows, True  # this prefill spends the request's choice
-        if not keep_rows and self._keeps_logits:
-            extra["logits_to_keep"] = 1
+        wanted, self._prompt_rows = self._prompt_rows, "all"  # this prefill spends the request's choice
+        picked = self.wanted_rows(input_ids[0].cpu().numpy(), wanted)
+        if picked is not None and self._keeps_logits:
+            extra["logits_to_keep"] = 1 if len(picked) == 1 else torch.from_numpy(picked).to(self.device)
         out = self.model(input_ids=input_ids, position_ids=positions, cache=self.cache, use_cache=True, **extra)
         self.past_len = input_ids.shape[1]
         if self.kernels == "fast":
@@ -308,12 +343,15 @@ class TargetModel(BaseTarget):
             self._kv.load([layer.keys[0].float().numpy() for layer in self.cache.layers],
                           [layer.values[0].float().numpy() for layer in self.cache.layers], self.past_len)
             self.cache = None
-        if keep_rows:
-            ids, logits, argmax = self._top_rows(out.logits[0])
-        else:  # the last row is all this prefill's caller reads
-            argmax = self._top_rows(out.logits[0, -1:])[2]
+        logits_rows = out.logits[0]
+        if picked is not None and logits_rows.shape[0] != len(picked):  # a forward without logits_to_keep
+            logits_rows = logits_rows[torch.from_numpy(picked).to(logits_rows.device)]
+        ids, logits, argmax = self._top_rows(logits_rows)
+        if wanted == "none":  # the last row is all this prefill's caller reads
             ids, logits = self.no_prompt_rows()
-        first = int(argmax[-1]) if sampler is None else sampler.token(out.logits[0, -1], 0)
+        else:
+            ids, logits = self.spread_rows(self.past_len, picked, ids, logits)
+        first = int(argmax[-1]) if sampler is None else sampler.token(logits_rows[-1], 0)
         return self.prompt_rows(inputs.input_ids[0].numpy(), ids, logits,
                                 capture.take() if capture is not None else None), first
 
@@ -321,11 +359,15 @@ class TargetModel(BaseTarget):
                     image_attention: float | None = None) -> PromptRows:
         """What prefill reports to a proposer: the prompt's Top-K rows, and which positions may
         seed token-keyed memories (not image placeholders, not special tokens)."""
-        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
-        eligible = np.array([t not in self.excluded_tokens and t not in special for t in prompt.tolist()], dtype=bool)
-        return PromptRows(ids=prompt, topk_ids=topk_ids, topk_logits=topk_logits, eligible=eligible,
+        return PromptRows(ids=prompt, topk_ids=topk_ids, topk_logits=topk_logits, eligible=self.eligible(prompt),
                           vocab_size=self.vocab_size, excluded_tokens=self.excluded_tokens,
                           image_attention=image_attention)
+
+    def eligible(self, prompt: np.ndarray) -> np.ndarray:
+        """Which prompt positions may seed token-keyed memories: not image placeholders, not
+        special tokens."""
+        special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+        return np.array([t not in self.excluded_tokens and t not in special for t in prompt.tolist()], dtype=bool)
 
     def prefill_chunks(self, inputs: ModelInputs) -> ChunkedPrefill | None:
         """The prompt's prefill as chunks the caller runs (`ChunkedPrefill`) on the fast

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from recap.core import CostProfile, DraftTree, PromptRows, VerifiedTree
+from recap.core import CostProfile, DraftTree, PromptRows, RowsWanted, VerifiedTree
 from recap.errors import InputError
 
 if TYPE_CHECKING:
@@ -54,10 +54,10 @@ class Target(Protocol):
         """Measure (or stop measuring) the attention mass on the prompt's image; returns
         whether it is measured (False where the model or the prompt cannot give it)."""
 
-    def keep_prompt_rows(self, enabled: bool = True) -> bool:
-        """Whether the next ``prefill`` computes the Top-K rows of every prompt position (off:
-        the last row's logits only, and `PromptRows` carries empty Top-K arrays); returns
-        whether it will."""
+    def keep_prompt_rows(self, rows: RowsWanted = "all") -> RowsWanted:
+        """Which prompt rows' Top-K the next ``prefill`` computes (`recap.core.RowsWanted`: all,
+        each eligible token's first, none: the last row's logits only, and `PromptRows` carries
+        empty arrays); returns what it will compute (at least what was asked)."""
 
     def verify_cost(self) -> CostProfile | None:
         """What verifying N tokens costs (`CostProfile`), for cost-aware proposers; None:
@@ -98,8 +98,8 @@ class BaseTarget:
     def capture_image_attention(self, enabled: bool = True) -> bool:
         return False
 
-    def keep_prompt_rows(self, enabled: bool = True) -> bool:
-        return True  # its prefill always gives them
+    def keep_prompt_rows(self, rows: RowsWanted = "all") -> RowsWanted:
+        return "all"  # its prefill always gives them
 
     def verify_cost(self) -> CostProfile | None:
         return None

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from recap.core import NOT_COMPUTED, ROWS_WANTED
 from recap.target.kernels.cache import KVCache
 
 if TYPE_CHECKING:
-    from recap.core import PromptRows
+    from recap.core import PromptRows, RowsWanted
     from recap.target.base import LanguageInputs, TargetModel
     from recap.target.sampling import Sampler
 
@@ -48,10 +49,17 @@ class _Entry:
     keys: np.ndarray
     values: np.ndarray
     """(layers, H_kv, P, D) its K/V rows."""
+    rows: RowsWanted
+    """Which Top-K rows its prefill computed (`recap.core.RowsWanted`)."""
     topk_ids: np.ndarray | None
     topk_logits: np.ndarray | None
-    """(P, K) its Top-K rows (what `PromptRows` carries for every prompt position); None:
-    prefilled for a proposer that did not ask for them, so they were never computed."""
+    """(P, K) its Top-K rows (what `PromptRows` carries), those not computed
+    `recap.core.NOT_COMPUTED`; None where ``rows`` is ``none``."""
+
+
+def _covers(computed: RowsWanted, wanted: RowsWanted) -> bool:
+    """Whether a prefill that computed ``computed`` rows has every row ``wanted`` asks for."""
+    return ROWS_WANTED.index(computed) >= ROWS_WANTED.index(wanted)
 
 
 class PrefixCache:
@@ -75,12 +83,13 @@ class PrefixCache:
         self._entries.clear()
 
     def lookup(self, tokens: np.ndarray, limit: int, scope: str = "",
-               with_rows: bool = True) -> tuple[int, _Entry | None]:
+               rows: RowsWanted = "all") -> tuple[int, _Entry | None]:
         """(shared length, entry): the longest prefix of ``tokens`` held in ``scope``, at most
-        ``limit`` rows; ``with_rows``: only entries that hold their Top-K rows."""
+        ``limit`` rows, among entries whose computed Top-K rows cover ``rows`` (``first`` rows
+        of a prefix are the ``first`` rows of every prompt that extends it)."""
         best, best_key = 0, None
         for key, entry in self._entries.items():
-            if entry.scope != scope or (with_rows and entry.topk_ids is None):
+            if entry.scope != scope or not _covers(entry.rows, rows):
                 continue
             length = min(len(entry.tokens), len(tokens), limit)
             differ = np.flatnonzero(entry.tokens[:length] != tokens[:length])
@@ -95,20 +104,20 @@ class PrefixCache:
         return best, self._entries[best_key]
 
     def store(self, tokens: np.ndarray, cache: KVCache, topk_ids: np.ndarray | None,
-              topk_logits: np.ndarray | None, scope: str = "") -> None:
-        """Keep a prefilled prompt (its rows copied out of ``cache``) for ``scope``; Top-K rows
-        None: not computed (an entry that has them is then not replaced by this one)."""
+              topk_logits: np.ndarray | None, scope: str = "", rows: RowsWanted = "all") -> None:
+        """Keep a prefilled prompt (its rows copied out of ``cache``) for ``scope``; ``rows``:
+        which Top-K rows it computed (Top-K None for ``none``). It replaces the held entries it
+        extends whose rows it covers, never one that has more rows."""
         length = len(tokens)
         if length > self.max_tokens or length == 0:
             return
         for key, entry in list(self._entries.items()):  # a prompt that extends a held one replaces it
             if entry.scope == scope and len(entry.tokens) <= length and \
-                    np.array_equal(entry.tokens, tokens[: len(entry.tokens)]) and \
-                    (topk_ids is not None or entry.topk_ids is None):
+                    np.array_equal(entry.tokens, tokens[: len(entry.tokens)]) and _covers(rows, entry.rows):
                 del self._entries[key]
-        rows = (None, None) if topk_ids is None else (topk_ids.copy(), topk_logits.copy())
+        top = (None, None) if rows == "none" else (topk_ids.copy(), topk_logits.copy())
         self._entries[self._next] = _Entry(scope, tokens.copy(), cache.keys[:, :, :length].copy(),
-                                           cache.values[:, :, :length].copy(), *rows)
+                                           cache.values[:, :, :length].copy(), rows, *top)
         self._next += 1
         while self.tokens > self.max_tokens:
             self._entries.popitem(last=False)
@@ -125,9 +134,10 @@ class ChunkedPrefill:
     and every chunk publishes the rows computed so far: requests admitted together (a burst of
     clients with one system prompt) then compute the shared prefix once, not once each.
 
-    The Top-K rows of every prompt position are computed only where the lane was asked to keep
-    them (`TargetModel.keep_prompt_rows`: the proposer seeds memories from them); otherwise
-    only the last row's logits are (`logit_rows`), and `PromptRows` carries empty arrays."""
+    The Top-K rows are computed for the positions the lane was asked to keep
+    (`TargetModel.keep_prompt_rows`: all of them, each eligible token's first, or none) and
+    the last one (`logit_rows`); `PromptRows` carries the others as `recap.core.NOT_COMPUTED`
+    (empty arrays for none)."""
 
     def __init__(self, lane: TargetModel, prompt: np.ndarray, language: LanguageInputs | None = None):
         self.lane, self.prompt, self.language = lane, prompt, language
@@ -136,17 +146,25 @@ class ChunkedPrefill:
             torch.from_numpy(np.flatnonzero(prompt == lane._image_token))
         self._image_attention: float | None = None
         lane._packed = 0
-        self.keeps_rows = lane._prompt_rows
-        """Whether every prompt row's Top-K is computed (else the last row's logits only)."""
-        lane._prompt_rows = True  # the request's choice is spent: a later prefill keeps them unless told
+        self.rows_kept: RowsWanted = lane._prompt_rows
+        """Which prompt rows' Top-K are computed (`recap.core.RowsWanted`; the last row always)."""
+        lane._prompt_rows = "all"  # the request's choice is spent: a later prefill keeps them all unless told
+        picked = lane.wanted_rows(prompt, self.rows_kept)
+        self._wanted = np.ones(len(prompt), bool)
+        """Per prompt position: whether its row's logits are computed."""
+        if picked is not None:
+            self._wanted[:] = False
+            self._wanted[picked] = True
+        width = lane.top_k
+        self._ids = np.full((len(prompt), width), NOT_COMPUTED, np.int64)
+        self._logits = np.full((len(prompt), width), -np.inf, np.float32)
+        """(P, K) the Top-K rows so far (copied from the prefix cache or computed)."""
         lane._kv = lane._fast.new_cache(len(prompt) + 256)
         lane.past_len = 0
         self._shareable = len(prompt) if language is None else language.first_image_row
         """Rows another prompt with the same tokens has too (an image's rows are not: its
         placeholder tokens are the same for every image)."""
         self._looked_up = False
-        self._ids: list[np.ndarray] = []
-        self._logits: list[np.ndarray] = []
         self._last: torch.Tensor | None = None
         self._greedy = -1
         self._chunk = 0
@@ -159,12 +177,11 @@ class ChunkedPrefill:
         self._looked_up = True
         lane = self.lane
         reused, entry = lane.prefix_cache.lookup(self.prompt, min(len(self.prompt) - 1, self._shareable),
-                                                 lane.prefix_scope, with_rows=self.keeps_rows)
+                                                 lane.prefix_scope, rows=self.rows_kept)
         if reused:
             lane._kv.load(entry.keys[:, :, :reused], entry.values[:, :, :reused], reused)
-            if self.keeps_rows:
-                self._ids.append(entry.topk_ids[:reused])
-                self._logits.append(entry.topk_logits[:reused])
+            if entry.topk_ids is not None:
+                self._ids[:reused], self._logits[:reused] = entry.topk_ids[:reused], entry.topk_logits[:reused]
             lane.past_len = reused
 
     @property
@@ -190,13 +207,12 @@ class ChunkedPrefill:
         return tokens, positions, starts, paths
 
     def logit_rows(self) -> np.ndarray | None:
-        """The current chunk's rows whose logits `absorb` reads (chunk-local, ascending): None,
-        all of them, where the Top-K rows are kept; else the last one if this chunk ends the
-        prompt, or none."""
-        if self.keeps_rows:
+        """The current chunk's rows whose logits `absorb` reads (chunk-local, ascending); None:
+        all of them."""
+        if self.rows_kept == "all":
             return None
-        ends = self.lane.past_len + self._chunk == len(self.prompt)
-        return np.array([self._chunk - 1] if ends else [], np.int64)
+        done = self.lane.past_len
+        return np.flatnonzero(self._wanted[done:done + self._chunk]).astype(np.int64)
 
     def embeds(self) -> np.ndarray | None:
         """The current chunk's input vectors (n, hidden) for an image prompt; None: its
@@ -212,31 +228,29 @@ class ChunkedPrefill:
         its attention on the image). The rows so far go into the prefix cache (a longer entry
         of the same prompt replaces a shorter one)."""
         lane, kv = self.lane, self.lane._kv
+        done = lane.past_len
         kv.commit(range(self._chunk))
         lane.past_len = kv.length
         capture = lane._capture
         if self.finished and capture is not None and capture.enabled and lane._image_positions is not None:
             self._image_attention = lane._fast.root_image_attention(
                 kv, lane._image_positions.numpy(), first_row + self._chunk - 1, keys=kv.length)
-        if self.keeps_rows:
-            top_ids, top_logits, argmax = lane._top_rows(torch.from_numpy(logits))
-            self._ids.append(top_ids)
-            self._logits.append(top_logits)
-            self._ids, self._logits = [np.concatenate(self._ids)], [np.concatenate(self._logits)]
-            self._last, self._greedy = torch.from_numpy(logits[-1].copy()), int(argmax[-1])
-        elif self.finished:  # only the last row's logits were computed
-            self._last = torch.from_numpy(logits[-1].copy())
-            self._greedy = int(lane._top_rows(self._last[None])[2][0])
+        picked = np.flatnonzero(self._wanted[done:done + self._chunk])  # the rows computed (the last always)
+        if len(picked):
+            top_ids, top_logits, argmax = lane._top_rows(torch.from_numpy(logits[picked]))
+            self._ids[done + picked], self._logits[done + picked] = top_ids, top_logits
+            if self.finished:
+                self._last, self._greedy = torch.from_numpy(logits[-1].copy()), int(argmax[-1])
         shared = min(lane.past_len, self._shareable)
-        if lane.past_len - self._chunk < self._shareable:  # this chunk added shareable rows
-            rows = (self._ids[0][:shared], self._logits[0][:shared]) if self.keeps_rows else (None, None)
-            lane.prefix_cache.store(self.prompt[:shared], kv, *rows, lane.prefix_scope)
+        if done < self._shareable:  # this chunk added shareable rows
+            lane.prefix_cache.store(self.prompt[:shared], kv, self._ids[:shared], self._logits[:shared],
+                                    lane.prefix_scope, self.rows_kept)
 
     def result(self, sampler: Sampler | None = None) -> tuple[PromptRows, int]:
         """What ``prefill`` returns: the prompt's rows and the first token."""
         first = self._greedy if sampler is None else sampler.token(self._last, 0)
-        if self.keeps_rows:
-            ids, logits = self._ids[0], self._logits[0]
-        else:
+        if self.rows_kept == "none":
             ids, logits = self.lane.no_prompt_rows()
+        else:
+            ids, logits = self._ids, self._logits
         return self.lane.prompt_rows(self.prompt, ids, logits, self._image_attention), first
