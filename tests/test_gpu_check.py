@@ -38,6 +38,7 @@ def test_quick_mode_runs_every_phase_on_cpu(tmp_path):
     assert summary[2].startswith("verify cost tiny-llama t(N)/t(1): @L=16")
     assert summary[3].startswith("bench tiny-llama (2 units, 8 new tokens, data synthetic): recap S ")
     assert "lookahead S" in summary[3] and summary[-1] == f"wrote {out}"
+    assert summary[4].startswith("fast kernels on the host CPU (tiny-llama, ")
     data = json.loads(out.read_text())
     assert data["ok"] is True and data["quick"] is True and data["summary_text"] == done.stdout.strip()
     rows = data["check"]["results"]
@@ -52,5 +53,10 @@ def test_quick_mode_runs_every_phase_on_cpu(tmp_path):
     assert set(bench["results"]) == {"ar", "recap", "recap-paper", "pld", "sam", "lookahead"}
     assert bench["mismatches"] == 0 and bench["units"] == 2 and "## Speedup S" in bench["report_md"]
     assert all(isinstance(m["S"], float) and isinstance(m["tau"], float) for m in bench["results"].values())
+    host = data["host"]       # phase 4: the fast kernels on this CPU at 1 thread and every core
+    assert host["error"] is None and host["context"] == 16 and host["device_t1_ms"] == profile["t1_ms"]["16"]
+    assert [r["threads"] for r in host["runs"]] == list(dict.fromkeys((1, host["cores"])))
+    assert all(set(r["t_ms"]) == {"1", "8", "32"} and all(t > 0 for t in r["t_ms"].values()) for r in host["runs"])
+    assert isinstance(host["fast_host_faster_than_device"], bool)
     run = json.loads((tmp_path / "check-bench" / "run.json").read_text())
     assert "device" not in run["settings"]           # the CPU is the default: not recorded, old runs resume
