@@ -58,13 +58,16 @@ def main() -> None:
     print("\nrecycled nodes: observed (labels) vs prior; rows depth 1, 2, 3, 4-5, 6+; columns q bins of 0.1")
     for depth_bucket in range(len(cal.DEPTH_EDGES) + 1):
         print(f"depth {depth_bucket}: " + " | ".join(cell(depth_bucket * cal.Q_BINS + b) for b in range(cal.Q_BINS)))
-    n_offsets = len(cal.OFFSET_EDGES) + 1
+    lowest = np.concatenate([[1], cal.EVIDENCE_EDGES])
+    buckets = [f"{a}-{b - 1}" if b - 1 > a else f"{a}" for a, b in zip(lowest[:-1], lowest[1:])] + [f"{lowest[-1]}+"]
     for source, name in ((cal.REQUEST, "request"), (cal.STORE, "store")):
-        print(f"\n{name} continuations: rows match length 1, 2, 3-4, 5-8, 9-16, 17-32, 33+; columns offset buckets")
-        for length_bucket in range(len(cal.LENGTH_EDGES) + 1):
-            first = int(cal.continuation_cells(source, int(cal.LENGTH_EDGES[length_bucket - 1]) if length_bucket else 1,
-                                               np.array([1]))[0])
-            print(f"length {length_bucket}: " + " | ".join(cell(first + o) for o in range(n_offsets)))
+        for opening in (False, True):
+            print(f"\n{name} continuations{' (opening chains)' if opening else ''}: rows evidence (matched "
+                  "tokens) buckets; columns first token | later tokens")
+            for bucket, evidence in enumerate(lowest):
+                first = int(cal.continuation_cells(source, int(evidence), np.array([1]), opening)[0])
+                later = first + 1  # the bucket's later-token cell sits right after its first-token cell
+                print(f"evidence {buckets[bucket]}: {cell(first)} | {cell(later)}")
 
 
 if __name__ == "__main__":

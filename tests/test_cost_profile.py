@@ -143,8 +143,10 @@ def test_key_follows_dtype_and_threads(monkeypatch):
     assert key == profiles.profile_key(fresh())
     assert profiles.profile_key(fresh(dtype="bfloat16"))["dtype"] == "bfloat16"
     assert profiles.profile_path(profiles.profile_key(fresh(dtype="bfloat16"))) != profiles.profile_path(key)
+    target = fresh()  # built first: building warms the kernels, which set torch's count back to what
+    # get_num_threads says, and a patched getter would leak into the real setting (and later tests)
     monkeypatch.setattr(torch, "get_num_threads", lambda: key["threads"] + 1)
-    other = profiles.profile_key(fresh())
+    other = profiles.profile_key(target)
     assert other["threads"] == key["threads"] + 1
     assert profiles.profile_path(other) != profiles.profile_path(key)
 
@@ -212,6 +214,24 @@ def test_explicit_specs(cache, measured, tmp_path, capsys):
     assert loaded.source == "file" and loaded.predict(11) == pytest.approx(foreign.predict(11))
     assert len(capsys.readouterr().err.strip().splitlines()) == 1  # another key only warns
     assert not measured
+
+
+def test_a_profile_file_is_used_as_given_not_corrected_online(cache, measured, tmp_path):
+    """A file stays what it says through a whole decode (choices independent of timing);
+    the same curve as a plain profile follows the run's verify times."""
+    written = CostProfile.linear(0.3, seconds=5.0)   # 5 s a step: far from any real timing
+    written.key = {"model": "elsewhere"}
+    path = profiles.save_profile(written, tmp_path / "fixed.json")
+    sizes = np.arange(1, 9)
+    target = fresh()
+    fixed = target.use_cost_profile(str(path))
+    recap.decode(target, CostReader(), target.prepare("Hello there."), max_new_tokens=6)
+    assert fixed.predict(sizes) == pytest.approx(written.predict(sizes), rel=0, abs=0)
+    moving = profiles.read_profile(path)   # control: the same file read as a plain profile
+    assert moving.correction_rate > 0
+    target.use_cost_profile(moving)
+    recap.decode(target, CostReader(), target.prepare("Hello there."), max_new_tokens=6)
+    assert moving.predict(1) < written.predict(1)   # ms-long steps pulled the 5 s curve down
 
 
 def test_explicit_corrupt_or_missing_file_is_an_input_error(tmp_path):

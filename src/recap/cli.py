@@ -66,8 +66,9 @@ def _sampling(args: argparse.Namespace, seed: int | None):
 def _cost_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cost-profile", default="auto", metavar="{auto,flat,FILE}",
                         help="verify-cost profile for cost-aware drafting: auto (cached, measured once if "
-                             "missing), flat (verification is free: paper-sized trees) or a file from "
-                             "`recap calibrate --out`")
+                             "missing, corrected online by this run's verify times), flat (verification is "
+                             "free: paper-sized trees) or a file from `recap calibrate --out`, used as given "
+                             "(never corrected: choices independent of timing)")
 
 
 class _Parser(argparse.ArgumentParser):

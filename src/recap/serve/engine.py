@@ -139,23 +139,35 @@ class StopStrings:
         self._held = ""
 
     def feed(self, delta: str) -> tuple[str, bool]:
-        """(text to send now, whether a stop string appeared: then nothing more is sent)."""
+        """(text to send now, whether a stop string appeared: then nothing more is sent). A
+        stop string found in the text ends it only when no other stop string could still
+        begin before it (its start is all the text there is so far): "baa" starting at 0 beats
+        "a" found at 1."""
         buffer = self._held + delta
         found = [i for i in (buffer.find(stop) for stop in self.stops) if i >= 0]
-        if found:
-            out, self._held = buffer[:min(found)], ""
+        first = min(found, default=len(buffer))
+        longest = max(len(stop) for stop in self.stops)
+        pending = next((j for j in range(max(0, len(buffer) - longest + 1), first)
+                        if any(len(stop) > len(buffer) - j and stop.startswith(buffer[j:]) for stop in self.stops)),
+                       None)
+        if found and pending is None:
+            out, self._held = buffer[:first], ""
             self.text += out
             return out, True
-        keep = max((n for stop in self.stops for n in range(1, len(stop)) if buffer.endswith(stop[:n])), default=0)
-        out, self._held = buffer[:len(buffer) - keep], buffer[len(buffer) - keep:]
+        cut = len(buffer) if pending is None else pending
+        out, self._held = buffer[:cut], buffer[cut:]
         self.text += out
         return out, False
 
-    def flush(self) -> str:
-        """The held-back tail, once the answer has ended without a stop string."""
-        out, self._held = self._held, ""
+    def flush(self) -> tuple[str, bool]:
+        """The held-back tail once the answer has ended, cut before the first stop string in
+        it (one may be there, held while a longer one could still have begun earlier), and
+        whether there was one."""
+        buffer, self._held = self._held, ""
+        found = [i for i in (buffer.find(stop) for stop in self.stops) if i >= 0]
+        out = buffer[:min(found)] if found else buffer
         self.text += out
-        return out
+        return out, bool(found)
 
 
 @dataclass
@@ -392,7 +404,9 @@ class Engine:
             rest, drafted_text, text = active.detokenizer.finish()  # what was held back, or a late spelling
             if stops is not None:
                 rest, stopped = stops.feed(rest)
-                rest += "" if stopped else stops.flush()
+                if not stopped:
+                    tail, stopped = stops.flush()
+                    rest += tail
                 drafted_text, text = drafted_text[:len(rest)], stops.text
             if rest:
                 active.job.emit({"type": "text", "text": rest, "drafted_text": drafted_text, "tokens": 0,

@@ -252,9 +252,12 @@ def load_or_measure(target: TargetModel, *, quiet: bool = False) -> CostProfile:
 
 
 def resolve_profile(target: TargetModel, spec: str | os.PathLike | CostProfile | None) -> CostProfile:
-    """``None``/``"auto"``: cached or measured; ``"flat"``: free verification (the paper's
-    setting); a profile: itself; otherwise a profile file. A file measured under another
-    key is used with a warning: it may deliberately simulate another machine."""
+    """``None``/``"auto"``: cached or measured (corrected online by the run's own verify
+    times); ``"flat"``: free verification (the paper's setting); a profile: itself;
+    otherwise a profile file, used as given: never corrected online, so drafting choices do
+    not depend on this run's timing (A/B comparisons of tau, another machine simulated). A
+    file measured under another key is used with a warning: it may deliberately simulate
+    another machine."""
     if isinstance(spec, CostProfile):
         return spec
     if spec is None or spec == "auto":
@@ -272,8 +275,7 @@ def resolve_profile(target: TargetModel, spec: str | os.PathLike | CostProfile |
     differences = key_differences(profile.key, profile_key(target))
     if differences:
         _say(f"warning: cost profile {path} was measured for other settings ({'; '.join(differences)}); using it")
-    profile.source = "file"
-    return profile
+    return dataclasses.replace(profile, source="file", correction_rate=0.0)
 
 
 def _one_line(error: BaseException) -> str:
