@@ -2,7 +2,7 @@
 
 Times every linear layer of a decoder's shapes (SmolLM2-135M's by default: 30 layers of
 q/k/v/o and gate/up/down, K = 576 / 1536) once per step, for each row count, on the 4x4 block
-(with the 8x2 block for 1-2 rows) and on the 3x4 block, interleaved in one process so drift
+(with the 8x2 block for 2 rows and the 16x1 block for 1) and on the 3x4 block, interleaved in one process so drift
 hits both alike; random float32 weights of the model's shapes, distinct per layer, so they
 stream from memory as a real step's do. Prints the median of ``--repeats`` passes per block
 and row count, the ratio, and whether the two blocks gave the same bits.
@@ -66,10 +66,10 @@ def main() -> None:
     macs = sum(n * k for n, k in shapes)
     print(f"cpu {cpu_model()}, {args.threads} thread(s), WEIGHT_ROWS here = {linear.WEIGHT_ROWS}, "
           f"median of {args.repeats}, ms for all {len(shapes)} layers")
-    print(f"{'rows':>5} {'4x4 (8x2)':>10} {'3x4':>8} {'3x4 / 4x4':>10} {'3x4 GMAC/s':>11}")
+    print(f"{'rows':>5} {'4x4 (8x2, 16x1)':>16} {'3x4':>8} {'3x4 / 4x4':>10} {'3x4 GMAC/s':>11}")
     for m in rows:
         four, three = (statistics.median(times[b, m]) for b in (4, 3))
-        print(f"{m:5d} {four * 1e3:10.1f} {three * 1e3:8.1f} {three / four:10.2f} {m * macs / three / 1e9:11.1f}")
+        print(f"{m:5d} {four * 1e3:16.1f} {three * 1e3:8.1f} {three / four:10.2f} {m * macs / three / 1e9:11.1f}")
     print(f"same bits on both blocks: {same}")
 
 

@@ -101,10 +101,11 @@ def test_linear_rows_do_not_depend_on_their_neighbours(rows, out_features, in_fe
     bits = weight.numpy() if dtype == "float32" else weight.view(torch.int16).numpy().view(np.uint16)
     layer = Linear(bits, rng.standard_normal(out_features).astype(np.float32) if bias else None,
                    float16=dtype == "float16", weight_rows=weight_rows)
-    x = np.zeros((padded_rows(rows) if layer.two_rows else -(-rows // 4) * 4, in_features), np.float32)
+    x = np.zeros((max(padded_rows(rows), 4), in_features), np.float32)
     x[:rows] = rng.standard_normal((rows, in_features), dtype=np.float32)
-    out = layer(x, np.zeros((len(x), out_features), np.float32), len(x))
+    out = layer(x, np.zeros((len(x), out_features), np.float32), padded_rows(rows))
     assert layer.two_rows == (weight_rows == 4 and out_features % 8 == 0)  # the machine check passes here
+    assert layer.one_row == (layer.two_rows and out_features % 16 == 0)    # and so does the 16x1 block's
     for row in range(rows):
         single = np.zeros((4, in_features), np.float32)
         single[row % 4] = x[row]  # any slot of the 4-row block
@@ -113,6 +114,9 @@ def test_linear_rows_do_not_depend_on_their_neighbours(rows, out_features, in_fe
         if layer.two_rows:  # and any slot of the 2-row block
             pair = single[:2] if row % 4 < 2 else single[2:]
             assert np.array_equal(layer(pair, np.zeros((2, out_features), np.float32), 2)[row % 2], out[row])
+        first = np.zeros((4, in_features), np.float32)
+        first[0] = x[row]  # and as a step of one row (16x1 block, else 2 or 4 rows)
+        assert np.array_equal(layer(first, np.zeros((4, out_features), np.float32), 1)[0], out[row])
     expected = x[:rows].astype(np.float64) @ weight.double().numpy().T + (layer.bias if bias else 0)
     np.testing.assert_allclose(out[:rows], expected, rtol=1e-4, atol=1e-4 * in_features)
 
@@ -145,8 +149,19 @@ def test_float16_table_is_exact():
     patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     finite = np.isfinite(patterns.view(np.float16))
     assert np.array_equal(FLOAT16_TABLE[finite], patterns.view(np.float16)[finite].astype(np.float32))
-    assert kernel_linear.ROW_BLOCK == 4 and padded_rows(1) == padded_rows(2) == 2 and padded_rows(5) == 8
+    assert kernel_linear.ROW_BLOCK == 4 and padded_rows(1) == 1 and padded_rows(2) == 2 and padded_rows(5) == 8
     assert padded_rows(3) == 4
+
+
+def test_a_layer_refuses_buffers_shorter_than_the_rows_it_computes():
+    """The kernels do not check bounds: a 1-row step on a layer without the 16x1 block runs as
+    2 (or 4) rows and must not read past a 1-row buffer."""
+    weight = np.ones((24, 8), np.float32)  # 24 columns: the 8x2 block, not the 16x1 one
+    layer = Linear(weight, None, weight_rows=4)
+    assert layer.two_rows and not layer.one_row
+    with pytest.raises(ValueError, match="2 rows"):
+        layer(np.ones((1, 8), np.float32), np.zeros((1, 24), np.float32), 1)
+    assert np.array_equal(layer(np.ones((2, 8), np.float32), np.zeros((2, 24), np.float32), 1)[0], np.full(24, 8.0))
 
 
 def test_a_two_row_block_with_other_arithmetic_is_refused(monkeypatch):

@@ -10,14 +10,18 @@ Why our own: stock ``F.linear`` on CPU picks its blocking from the batch size, s
   `ROW_BLOCK` and go through a 4x4 block (4 weight rows x 4 token rows); steps of 1 or 2
   rows go through an 8x2 block (8 weight rows x 2 token rows), which reads each weight once
   for 2 rows instead of computing 3 padding rows: a 1-row step's linear layers take about
-  12% less time (SmolLM2, one core, `benchmarks/step_profile.py`). Both blocks hold 16
-  accumulators, and their weight rows are spread over the matrix (q, q + N/4, ...): long
-  sequential streams the hardware prefetcher follows (4 adjacent rows, read in parallel,
-  cost 1.5x as much from DRAM on a 2-core EPYC).
+  12% less time (SmolLM2, one core, `benchmarks/step_profile.py`); steps of exactly 1 row
+  go through a 16x1 block (16 weight rows x the one token row), which computes no padding
+  row at all: about 5% less than the 8x2 block on an Intel AVX-512 core. All three blocks
+  hold 16 accumulators, and their weight rows are spread over the matrix (q, q + N/4, ...):
+  long sequential streams the hardware prefetcher follows (4 adjacent rows, read in
+  parallel, cost 1.5x as much from DRAM on a 2-core EPYC).
 - **Checked on the machine, not assumed.** That both blocks compile to the same arithmetic
-  is LLVM's choice, so `small_rows_exact` compares them bit for bit for each input width a
-  model uses before the 2-row block is used (`FastDecoder` calls it); where they differ, every
-  step is padded to 4 rows as before. The row count never changes an element's bits.
+  is LLVM's choice, so `small_rows_exact` and `one_row_exact` compare them bit for bit for
+  each input width a model uses before the 2-row or 1-row block is used (`Linear` calls
+  them); where they differ, the step is padded to 2 or 4 rows as before. The row count never
+  changes an element's bits. (Blocks with fewer accumulators, 8x1 or 4x1, were faster still
+  at one row but LLVM interleaves their loops and rounds otherwise: not used.)
 - **Weights read once per block of token rows**, in the model's own layout (N, K) and dtype,
   so 1-8 rows cost about what the weight bytes cost to stream plus the arithmetic (the two
   do not overlap on this core: docs/kernels.md).
@@ -53,6 +57,8 @@ SMALL_ROWS = 2
 """Steps of at most this many rows use the 8x2 block (padded to 2 rows)."""
 SMALL_COL_BLOCK = 8
 """Weight rows computed together by the 8x2 block."""
+ONE_COL_BLOCK = 16
+"""Weight rows computed together by the 16x1 block (1-row steps)."""
 CHUNK = 8
 """Column blocks per parallel task: a task allocates its widening scratch once."""
 PANEL = 8
@@ -73,9 +79,11 @@ WEIGHT_ROWS = machine_weight_rows()
 
 
 def padded_rows(m: int) -> int:
-    """Rows an M-row step computes: 2 for M <= 2, else M rounded up to a multiple of 4."""
+    """Rows an M-row step asks its layers for: 1 or 2 for M <= 2, else M rounded up to a
+    multiple of 4. A layer without the 16x1 block computes a 1-row step as 2 rows, one
+    without the 8x2 block a 1- or 2-row step as 4 (`Linear.__call__`)."""
     if m <= SMALL_ROWS:
-        return SMALL_ROWS
+        return max(m, 1)
     return -(-m // ROW_BLOCK) * ROW_BLOCK
 
 
@@ -302,6 +310,70 @@ def _block8x2(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
     out[1, c0 + 7 * cs] = b7
 
 
+@njit(fastmath=FASTMATH, inline="always")
+def _block16x1(x0, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
+    # x0: (K,) f32, the step's one row; weight rows r0 + j * rs (j < 16) of w: (N', K) f32 into
+    # output columns c0 + j * cs of out: (>= 1, N) f32; bias: (N,) f32 or (0,). Same dot product
+    # as _block4: 16 accumulators, so LLVM vectorises each one alike (checked: `one_row_exact`).
+    w0, w1, w2, w3 = w[r0], w[r0 + rs], w[r0 + 2 * rs], w[r0 + 3 * rs]
+    w4, w5, w6, w7 = w[r0 + 4 * rs], w[r0 + 5 * rs], w[r0 + 6 * rs], w[r0 + 7 * rs]
+    w8, w9, w10, w11 = w[r0 + 8 * rs], w[r0 + 9 * rs], w[r0 + 10 * rs], w[r0 + 11 * rs]
+    w12, w13, w14, w15 = w[r0 + 12 * rs], w[r0 + 13 * rs], w[r0 + 14 * rs], w[r0 + 15 * rs]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0)
+    a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = np.float32(0)
+    for k in range(x0.shape[0]):
+        p = x0[k]
+        a0 += p * w0[k]
+        a1 += p * w1[k]
+        a2 += p * w2[k]
+        a3 += p * w3[k]
+        a4 += p * w4[k]
+        a5 += p * w5[k]
+        a6 += p * w6[k]
+        a7 += p * w7[k]
+        a8 += p * w8[k]
+        a9 += p * w9[k]
+        a10 += p * w10[k]
+        a11 += p * w11[k]
+        a12 += p * w12[k]
+        a13 += p * w13[k]
+        a14 += p * w14[k]
+        a15 += p * w15[k]
+    if bias.shape[0]:
+        a0 += bias[c0]
+        a1 += bias[c0 + cs]
+        a2 += bias[c0 + 2 * cs]
+        a3 += bias[c0 + 3 * cs]
+        a4 += bias[c0 + 4 * cs]
+        a5 += bias[c0 + 5 * cs]
+        a6 += bias[c0 + 6 * cs]
+        a7 += bias[c0 + 7 * cs]
+        a8 += bias[c0 + 8 * cs]
+        a9 += bias[c0 + 9 * cs]
+        a10 += bias[c0 + 10 * cs]
+        a11 += bias[c0 + 11 * cs]
+        a12 += bias[c0 + 12 * cs]
+        a13 += bias[c0 + 13 * cs]
+        a14 += bias[c0 + 14 * cs]
+        a15 += bias[c0 + 15 * cs]
+    out[0, c0] = a0
+    out[0, c0 + cs] = a1
+    out[0, c0 + 2 * cs] = a2
+    out[0, c0 + 3 * cs] = a3
+    out[0, c0 + 4 * cs] = a4
+    out[0, c0 + 5 * cs] = a5
+    out[0, c0 + 6 * cs] = a6
+    out[0, c0 + 7 * cs] = a7
+    out[0, c0 + 8 * cs] = a8
+    out[0, c0 + 9 * cs] = a9
+    out[0, c0 + 10 * cs] = a10
+    out[0, c0 + 11 * cs] = a11
+    out[0, c0 + 12 * cs] = a12
+    out[0, c0 + 13 * cs] = a13
+    out[0, c0 + 14 * cs] = a14
+    out[0, c0 + 15 * cs] = a15
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def linear_f32(x, w, bias, out, rows):  # pragma: no cover - compiled
     """x: (Mp, K) f32, w: (N, K) f32, bias: (N,) or (0,) f32, out: (Mp, N) f32; the first
@@ -376,6 +448,30 @@ def linear2_u16(x, w, table, bias, out):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+def linear1_f32(x, w, bias, out):  # pragma: no cover - compiled
+    """`linear_f32` for steps of one row: x: (>= 1, K) f32, out: (>= 1, N) f32, N a multiple
+    of 16; output columns q, q + N/16, ..., q + 15N/16 computed together."""
+    sixteenth = w.shape[0] // ONE_COL_BLOCK
+    tasks = -(-sixteenth // CHUNK)
+    for task in prange(tasks):
+        for q in range(task * CHUNK, min(sixteenth, (task + 1) * CHUNK)):
+            _block16x1(x[0], w, q, sixteenth, out, q, sixteenth, bias)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+def linear1_u16(x, w, table, bias, out):  # pragma: no cover - compiled
+    """`linear1_f32` for 16-bit float weights (see `_widen`)."""
+    sixteenth = w.shape[0] // ONE_COL_BLOCK
+    tasks = -(-sixteenth // CHUNK)
+    for task in prange(tasks):
+        scratch = np.empty((ONE_COL_BLOCK, w.shape[1]), np.float32)
+        for q in range(task * CHUNK, min(sixteenth, (task + 1) * CHUNK)):
+            for r in range(ONE_COL_BLOCK):
+                _widen(w, q + r * sixteenth, table, scratch[r])
+            _block16x1(x[0], scratch, 0, 1, out, q, sixteenth, bias)
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 def linear3_f32(x, w, bias, out, rows):  # pragma: no cover - compiled
     """`linear_f32` on the 3x4 block: weight rows q, q + N/3, q + 2N/3 together, in panels of
     `PANEL` such groups (one parallel task each) looped inside each 4-row block of tokens."""
@@ -436,15 +532,24 @@ class Linear:
         self.two_rows = (self.weight_rows == 4 and self.out_features % SMALL_COL_BLOCK == 0
                          and small_rows_exact(self.in_features, kind))
         """Whether 1- and 2-row steps may use the 8x2 block (else they are padded to 4 rows)."""
+        self.one_row = (self.two_rows and self.out_features % ONE_COL_BLOCK == 0
+                        and one_row_exact(self.in_features, kind))
+        """Whether 1-row steps may use the 16x1 block (else they run as 2 rows)."""
 
     def __call__(self, x: np.ndarray, out: np.ndarray, rows: int) -> np.ndarray:
-        """``out[:rows] = x[:rows] @ weight.T + bias``; ``rows`` a multiple of `ROW_BLOCK`, or
-        `SMALL_ROWS`. A layer without `two_rows` computes a 2-row step as 4 rows, so then ``x``
-        and ``out`` need 4 rows."""
-        if rows == SMALL_ROWS and not self.two_rows:
-            if len(x) < ROW_BLOCK or len(out) < ROW_BLOCK:
-                raise ValueError("this layer has no 2-row kernel: x and out need 4 rows")
-            rows = ROW_BLOCK
+        """``out[:rows] = x[:rows] @ weight.T + bias``; ``rows`` a multiple of `ROW_BLOCK`, 1 or
+        `SMALL_ROWS`. A layer without `one_row` computes a 1-row step as 2 rows, one without
+        `two_rows` a 1- or 2-row step as 4 rows, so then ``x`` and ``out`` need that many."""
+        if rows == 1 and self.one_row:
+            if self.weight.dtype == np.float32:
+                linear1_f32(x, self.weight, self.bias, out)
+            else:
+                linear1_u16(x, self.weight, self.table, self.bias, out)
+            return out
+        if rows <= SMALL_ROWS:
+            rows = SMALL_ROWS if self.two_rows else ROW_BLOCK
+        if len(x) < rows or len(out) < rows:  # the kernels do not check bounds
+            raise ValueError(f"this layer computes the step as {rows} rows: x and out need as many")
         if rows == SMALL_ROWS:
             if self.weight.dtype == np.float32:
                 linear2_f32(x, self.weight, self.bias, out)
@@ -462,28 +567,52 @@ class Linear:
         return out
 
 
-@functools.cache
-def small_rows_exact(in_features: int, kind: str = "float32") -> bool:
-    """Whether the 8x2 block gives, bit for bit, what the 4x4 block gives for dot products
-    of length ``in_features`` on this machine (``kind``: the weights' dtype name), checked on
-    random numbers. Both compile to the same arithmetic where LLVM vectorises both loops alike;
-    this is the check that they did, so the 2-row block can never change a result."""
+def _sample(in_features: int, columns: int, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Seeded random (weights as stored, float16 table, bias, 4 rows of x) for the block checks."""
     rng = np.random.default_rng(in_features)
-    weight = rng.standard_normal((2 * SMALL_COL_BLOCK, in_features), dtype=np.float32)
+    weight = rng.standard_normal((columns, in_features), dtype=np.float32)
     if kind == "float32":
         stored, table = weight, NO_TABLE
     elif kind == "float16":
         stored, table = weight.astype(np.float16).view(np.uint16), FLOAT16_TABLE
     else:
         stored, table = (weight.view(np.uint32) >> 16).astype(np.uint16), NO_TABLE
-    bias = rng.standard_normal(len(weight), dtype=np.float32)
-    x = rng.standard_normal((ROW_BLOCK, in_features), dtype=np.float32)
-    four = np.zeros((ROW_BLOCK, len(weight)), np.float32)
-    two = np.zeros((SMALL_ROWS, len(weight)), np.float32)
-    if kind == "float32":
+    bias = rng.standard_normal(columns, dtype=np.float32)
+    return stored, table, bias, rng.standard_normal((ROW_BLOCK, in_features), dtype=np.float32)
+
+
+def _four_rows(x: np.ndarray, stored: np.ndarray, table: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    four = np.zeros((ROW_BLOCK, len(stored)), np.float32)
+    if stored.dtype == np.float32:
         linear_f32(x, stored, bias, four, ROW_BLOCK)
-        linear2_f32(x, stored, bias, two)
     else:
         linear_u16(x, stored, table, bias, four, ROW_BLOCK)
+    return four
+
+
+@functools.cache
+def one_row_exact(in_features: int, kind: str = "float32") -> bool:
+    """Whether the 16x1 block gives, bit for bit, row 0 of what the 4x4 block gives (see
+    `small_rows_exact`)."""
+    stored, table, bias, x = _sample(in_features, 2 * ONE_COL_BLOCK, kind)
+    one = np.zeros((1, len(stored)), np.float32)
+    if kind == "float32":
+        linear1_f32(x, stored, bias, one)
+    else:
+        linear1_u16(x, stored, table, bias, one)
+    return _four_rows(x, stored, table, bias)[0].tobytes() == one[0].tobytes()
+
+
+@functools.cache
+def small_rows_exact(in_features: int, kind: str = "float32") -> bool:
+    """Whether the 8x2 block gives, bit for bit, what the 4x4 block gives for dot products
+    of length ``in_features`` on this machine (``kind``: the weights' dtype name), checked on
+    random numbers. Both compile to the same arithmetic where LLVM vectorises both loops alike;
+    this is the check that they did, so the 2-row block can never change a result."""
+    stored, table, bias, x = _sample(in_features, 2 * SMALL_COL_BLOCK, kind)
+    two = np.zeros((SMALL_ROWS, len(stored)), np.float32)
+    if kind == "float32":
+        linear2_f32(x, stored, bias, two)
+    else:
         linear2_u16(x, stored, table, bias, two)
-    return four[:SMALL_ROWS].tobytes() == two.tobytes()
+    return _four_rows(x, stored, table, bias)[:SMALL_ROWS].tobytes() == two.tobytes()
