@@ -216,11 +216,12 @@ def test_requests_on_one_target_without_lanes_run_one_after_another(tiny_llama):
 
 
 # ------------------------------------------------------------------ the shared budget
-def _brute_force(gains, fixed, requests, cost, overhead=0.0):
+def _brute_force(gains, fixed, requests, cost, overhead=0.0, prefill=0):
+    prompt_time = float(cost.predict(fixed)) - float(cost.predict(fixed - prefill)) if prefill else 0.0
     best, best_counts = -1.0, None
     for counts in itertools.product(*[range(len(g) + 1) for g in gains]):
         value = (requests + sum(float(np.sum(g[:c])) for g, c in zip(gains, counts))) / \
-            (float(cost.predict(fixed + sum(counts))) + overhead)
+            (float(cost.predict(fixed + sum(counts))) - prompt_time + overhead)
         if value > best + 1e-12:
             best, best_counts = value, counts
     return best, best_counts
@@ -228,16 +229,17 @@ def _brute_force(gains, fixed, requests, cost, overhead=0.0):
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.floats(0.01, 0.99), max_size=4), min_size=1, max_size=3),
-       st.floats(0.02, 0.6), st.integers(0, 3), st.sampled_from([0.0, 0.5, 3.0]))
-def test_the_shared_budget_is_the_exact_optimum(raw, slope, extra_rows, overhead):
+       st.floats(0.02, 0.6), st.integers(0, 3), st.sampled_from([0.0, 0.5, 3.0]), st.integers(0, 40))
+def test_the_shared_budget_is_the_exact_optimum(raw, slope, extra_rows, overhead, prefill):
     gains = [np.sort(np.array(g))[::-1] for g in raw]  # each request's offer best first
     cost = CostProfile.linear(slope)
     requests = len(gains) + (1 if extra_rows else 0)
-    fixed = requests + extra_rows
-    counts = share_budget(gains, fixed, requests, cost, overhead=overhead)
+    fixed = requests + extra_rows + prefill
+    counts = share_budget(gains, fixed, requests, cost, overhead=overhead, prefill_rows=prefill)
+    prompt_time = float(cost.predict(fixed)) - float(cost.predict(fixed - prefill)) if prefill else 0.0
     value = (requests + sum(float(np.sum(g[:c])) for g, c in zip(gains, counts))) / \
-        (float(cost.predict(fixed + sum(counts))) + overhead)
-    best, _ = _brute_force(gains, fixed, requests, cost, overhead)
+        (float(cost.predict(fixed + sum(counts))) - prompt_time + overhead)
+    best, _ = _brute_force(gains, fixed, requests, cost, overhead, prefill)
     assert value == pytest.approx(best, rel=1e-9)
     assert all(0 <= c <= len(g) for g, c in zip(gains, counts))
 
@@ -248,6 +250,19 @@ def test_the_shared_budget_takes_the_likelier_requests_nodes():
     assert share_budget([sure, doubtful], 2, 2, cost) == [3, 0]
     assert share_budget([sure, doubtful], 2, 2, None) == [3, 2]
     assert share_budget([sure, doubtful], 2, 2, cost, overhead=50.0) == [3, 2]  # a costly step: draft all
+
+
+def test_prompt_rows_in_the_step_do_not_make_drafts_look_cheap():
+    # A newcomer's 32 prompt rows ride in this step. Counted as step time, they would make
+    # the doubtful nodes' rows look cheap next to the whole step (the old pricing drafted
+    # them); they are paid once whatever is drafted, so the step drafts as it would without them.
+    cost = CostProfile.linear(0.3)
+    sure, doubtful = np.array([0.95, 0.9, 0.85]), np.array([0.2, 0.1])
+    without = share_budget([sure, doubtful], 2, 2, cost)
+    assert share_budget([sure, doubtful], 2 + 32, 2, cost, prefill_rows=32) == without == [3, 0]
+    assert share_budget([sure, doubtful], 2 + 32, 2, cost) == [3, 1]  # priced as step time: the 0.2 node too
+    with pytest.raises(ValueError):
+        share_budget([sure], 2, 1, cost, prefill_rows=2)
 
 
 # ------------------------------------------------------------------ one stream, overlapping requests

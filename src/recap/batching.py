@@ -228,7 +228,7 @@ class Batch:
         if offers:
             fixed = sum(len(tree) + 1 for tree in trees.values()) + len(offers) + prefill_rows
             sizes = share_budget([offer.gains for offer in offers.values()], fixed, len(offers) + len(trees),
-                                 self.cost, self._context(), self.host_s)
+                                 self.cost, self._context(), self.host_s, prefill_rows)
             for (decoding, offer), size in zip(offers.items(), sizes):
                 try:
                     trees[decoding] = decoding.propose(offer.take(size))

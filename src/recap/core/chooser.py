@@ -352,26 +352,34 @@ def choose(candidates: Candidates, cost: CostProfile | None, context_len: int,
 
 
 def share_budget(gains: Sequence[np.ndarray], fixed_rows: int, requests: int, cost: CostProfile | None,
-                 context_len: int = 0, overhead: float = 0.0) -> list[int]:
+                 context_len: int = 0, overhead: float = 0.0, prefill_rows: int = 0) -> list[int]:
     """How many nodes each request of a batched step drafts from its best-first ``gains``
     (path probabilities, non-increasing), given ``fixed_rows`` packed rows the step has
-    anyway (every request's root, the trees of methods that size their own) and the
-    ``requests`` in the step (each commits its bonus token): the counts maximising expected
-    committed tokens per second of the whole step,
+    anyway (every request's root, the trees of methods that size their own, ``prefill_rows``
+    prompt rows of newcomers) and the ``requests`` in the step (each commits its bonus
+    token): the counts maximising expected committed tokens per second of the step's decoding,
 
-        (requests + sum of the chosen gains) / (t(fixed_rows + chosen) + overhead),
+        (requests + sum of the chosen gains) / (t(fixed_rows + chosen) - prefill + overhead),
 
-    ``overhead`` being what a step costs besides its forward (the same whatever its size).
-    Every node costs the same row in t, so for each total the best set is the largest gains
-    over all requests (a prefix of each request's offer, hence valid trees): sorting the
-    merged gains and scanning the totals finds the exact optimum. No cost profile: all."""
+    ``overhead`` being what a step costs besides its forward (the same whatever its size) and
+    ``prefill = t(fixed_rows) - t(fixed_rows - prefill_rows)`` the time of the prompt rows:
+    work the batch does once whatever is drafted, so it must not make drafts look cheap (a
+    step carrying a 32-row chunk would otherwise take nodes of half the likelihood a plain
+    step takes, each still costing its row). Every node costs the same row in t, so for
+    each total the best set is the largest gains over all requests (a prefix of each
+    request's offer, hence valid trees): sorting the merged gains and scanning the totals
+    finds the exact optimum. No cost profile: all."""
     sizes = [len(g) for g in gains]
     if cost is None or not sum(sizes):
         return sizes
+    if not 0 <= prefill_rows < fixed_rows:
+        raise ValueError(f"prefill_rows must be in [0, fixed_rows), got {prefill_rows} of {fixed_rows}")
     merged = np.concatenate([np.asarray(g, np.float64) for g in gains])
     owner = np.repeat(np.arange(len(gains)), sizes)
     order = np.argsort(-merged, kind="stable")  # stable: each request's own order is kept on ties
-    curve = cost.curve(fixed_rows + len(merged), context_len)[fixed_rows - 1:] + overhead
+    full = cost.curve(fixed_rows + len(merged), context_len)
+    prefill = full[fixed_rows - 1] - full[fixed_rows - prefill_rows - 1] if prefill_rows else 0.0
+    curve = full[fixed_rows - 1:] - prefill + overhead
     total = int(_best_size(merged[order], curve, len(merged), float(requests)))
     return np.bincount(owner[order[:total]], minlength=len(gains)).tolist()
 
