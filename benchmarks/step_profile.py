@@ -78,6 +78,8 @@ def instrument(target, timer: Timer):
                                    ("write_cache", "cache"), ("tree_attention", "attention")):
                 stack.enter_context(patched(ops, name, timer.wrap(category, getattr(ops, name))))
             stack.enter_context(patched(Linear, "__call__", timer.wrap("linear", Linear.__call__)))
+            stack.enter_context(patched(ops.QuadAttention, "__call__",
+                                        timer.wrap("attention", ops.QuadAttention.__call__)))
             kv_commit = fast_decoder.KVCache.commit
             stack.enter_context(patched(fast_decoder.KVCache, "commit", timer.wrap("cache", kv_commit)))
         else:

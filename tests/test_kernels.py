@@ -86,6 +86,82 @@ def test_row_count_dependent_kernel_is_caught(monkeypatch):
     assert mismatched_nodes(target, _random_tree(np.random.default_rng(0), 12, 1000)) > 0
 
 
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_packed_verify_is_bit_identical_with_quad_attention(name, monkeypatch):
+    """The tiny models have 2 query heads per kv head, below `QuadAttention.MIN_GROUPS`: with
+    the threshold lowered they run attention four queries at a time, and stay exact."""
+    monkeypatch.setattr(ops.QuadAttention, "MIN_GROUPS", 1)
+    target = recap.load(name, kernels="fast")
+    assert target._fast.quad_attention is not None
+    assert mismatched_nodes(target, _random_tree(np.random.default_rng(3), 20, 1000)) == 0
+
+
+def test_row_count_dependent_attention_is_caught(monkeypatch):
+    """Negative control: quad attention whose softmax weights are rounded otherwise once a
+    step has more than one row must break the bit-for-bit comparison."""
+    monkeypatch.setattr(ops.QuadAttention, "MIN_GROUPS", 1)
+    target = recap.load("tiny-llama", kernels="fast")
+    real = ops.QuadAttention.__call__
+
+    def rows_dependent(self, plan, q, keys, values, ancestors, scale, out):
+        rows = plan[1]
+        real(self, plan, q, keys, values, ancestors, scale * (1.0 + 1e-6 * (rows > 1)), out)
+
+    monkeypatch.setattr(ops.QuadAttention, "__call__", rows_dependent)
+    assert mismatched_nodes(target, _random_tree(np.random.default_rng(3), 12, 1000)) > 0
+
+
+def _tree_paths(parents: list[int]) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+    paths = []
+    for node in range(len(parents)):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        paths.append(path[::-1])
+    starts = np.zeros(len(paths) + 1, np.int64)
+    starts[1:] = np.cumsum([len(p) for p in paths])
+    return starts, np.array([a for p in paths for a in p], np.int64), paths
+
+
+@settings(max_examples=25, deadline=None)
+@given(past=st.integers(0, 40), size=st.integers(1, 12), groups=st.sampled_from([1, 3, 4, 6]),
+       kv_heads=st.integers(1, 2), dim=st.sampled_from([16, 64]), seed=st.integers(0, 999))
+def test_quad_attention_gives_each_node_its_plain_steps_bits(past, size, groups, kv_heads, dim, seed):
+    """Kernel level: every node of a packed tree (root 0, random parents) gets, bit for bit,
+    what a one-row step at its position gets (a cache whose prefix holds the node's path),
+    whatever the prefix length (the shared 3-key blocks end anywhere) and quad filling; and
+    it agrees with `tree_attention` up to rounding."""
+    if not ops.block_slots_exact(dim):
+        pytest.skip("this machine compiles the block's slots apart: quad attention is not used here")
+    rng = np.random.default_rng(seed)
+    parents = [-1] + [int(rng.integers(0, i)) for i in range(1, size)]
+    starts, ancestors, paths = _tree_paths(parents)
+    heads = groups * kv_heads
+    keys = rng.standard_normal((kv_heads, past + size + 4, dim), dtype=np.float32)
+    values = rng.standard_normal((kv_heads, past + size + 4, dim), dtype=np.float32)
+    q = rng.standard_normal((size, heads * dim), dtype=np.float32)
+    quad = ops.QuadAttention(heads, kv_heads, dim)
+    packed = np.zeros((size, heads * dim), np.float32)
+    quad(quad.plan(past, starts, size), q, keys, values, ancestors, 0.3, packed)
+    rows = np.zeros_like(packed)
+    ops.tree_attention(q, keys, values, past, starts, ancestors, 0.3, rows, size)
+    np.testing.assert_allclose(packed, rows, rtol=1e-5, atol=1e-6)
+    for node, path in enumerate(paths):
+        k, v = keys.copy(), values.copy()
+        for depth, index in enumerate(path):  # the path's K/V as cached rows, as plain steps wrote them
+            k[:, past + depth], v[:, past + depth] = keys[:, past + index], values[:, past + index]
+        plain = np.zeros((1, heads * dim), np.float32)
+        here = past + len(path) - 1
+        quad(quad.plan(here, np.array([0, 1], np.int64), 1), q[node:node + 1], k, v, np.zeros(1, np.int64), 0.3,
+             plain)
+        assert plain[0].tobytes() == packed[node].tobytes(), f"node {node} (depth {len(path) - 1})"
+
+
+def test_quad_attention_is_used_where_it_fits():
+    assert ops.block_slots_exact(64)  # SmolLM2's heads on this machine: checked, not assumed
+    assert ops.QuadAttention.suits(9, 3, 64) and not ops.QuadAttention.suits(4, 2, 64)
+
+
 # ----------------------------------------------------------------------------- the linear kernel
 @settings(max_examples=15, deadline=None)
 @given(rows=st.integers(1, 70), out_features=st.integers(1, 37), in_features=st.integers(1, 90),

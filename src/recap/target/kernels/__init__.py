@@ -4,7 +4,8 @@
   register block and an 8x2 one for 1-2-row steps, checked bit for bit against it, on
   AVX-512; a 3x4 block for every row count on 16-register CPUs);
 - `exp`: a float32 ``exp`` that vectorises (softmax, SiLU);
-- `ops`: norms, RoPE, SiLU, tree attention over per-node ancestor lists;
+- `ops`: norms, RoPE, SiLU, tree attention over per-node ancestor lists (four queries of a
+  kv head at a time, `QuadAttention`, on models with 3 or more query heads per kv head);
 - `cache`: a KV cache written in place at explicit slots;
 - `args`: the supported decoder families as one config (`DecoderArgs`) and `unsupported`;
 - `decoder`: `FastDecoder`, the whole step on the model's own weights (one request, or
@@ -21,9 +22,10 @@ from recap.target.kernels.args import DecoderArgs, unsupported
 from recap.target.kernels.cache import KVCache
 from recap.target.kernels.decoder import FastDecoder
 
-KERNELS_REVISION = 4
+KERNELS_REVISION = 5
 """Bumped when the fast kernels' speed or arithmetic changes (2: the 2-row block, `exp32`; 3:
-the 3x4 block on 16-register CPUs; 4: the 16x1 block for 1-row steps on AVX-512), so a cost
+the 3x4 block on 16-register CPUs; 4: the 16x1 block for 1-row steps on AVX-512; 5: quad
+attention), so a cost
 profile measured on older kernels is measured again (`recap.target.profile`)."""
 
 KERNELS = ("auto", "fast", "stock")

@@ -100,6 +100,10 @@ class FastDecoder:
         width is a multiple of 8 and `linear.small_rows_exact` holds), else on 4 rows."""
         self.eps = float(getattr(decoder.norm, "variance_epsilon", args.eps))
         self.scale = float(getattr(decoder.layers[0].self_attn, "scaling", args.head_dim ** -0.5))
+        self.quad_attention = ops.QuadAttention(args.heads, args.kv_heads, args.head_dim) \
+            if ops.QuadAttention.suits(args.heads, args.kv_heads, args.head_dim) else None
+        """Attention four queries of a kv head at a time (`ops.quad_attention`) where the model
+        and this machine allow it, else one (row, head) at a time (`ops.tree_attention`)."""
         self._cos = self._sin = np.zeros((0, args.head_dim), np.float32)
         self._mrope_axis = self._mrope_axes(args.head_dim)
         self._buffers = _Buffers(args, padded_rows(max(warm_rows)))
@@ -205,6 +209,9 @@ class FastDecoder:
         spans = [(int(bounds[r]), int(bounds[r + 1]), cache) for r, cache in enumerate(caches)]
         for begin, end, cache in spans:
             cache.reserve(end - begin)
+        quad = self.quad_attention
+        plans = [quad.plan(cache.length, starts[begin:end + 1], end - begin) if quad else None
+                 for begin, end, cache in spans]
         b, args, eps = self._buffers, self.args, self.eps
         self._embed(tokens, b.h)
         for first, vectors in embeds:
@@ -216,12 +223,15 @@ class FastDecoder:
             layer.v(b.x, b.v, rows)
             ops.rope(b.q, args.heads, cos, sin, m)
             ops.rope(b.k, args.kv_heads, cos, sin, m)
-            for begin, end, cache in spans:
+            for (begin, end, cache), plan in zip(spans, plans):
                 keys, values, count = cache.keys[index], cache.values[index], end - begin
                 ops.write_cache(b.k[begin:end], keys, cache.length, args.kv_heads, count)
                 ops.write_cache(b.v[begin:end], values, cache.length, args.kv_heads, count)
-                ops.tree_attention(b.q[begin:end], keys, values, cache.length, starts[begin:end + 1], paths,
-                                   self.scale, b.attn[begin:end], count)
+                if plan is not None:
+                    quad(plan, b.q[begin:end], keys, values, paths, self.scale, b.attn[begin:end])
+                else:
+                    ops.tree_attention(b.q[begin:end], keys, values, cache.length, starts[begin:end + 1], paths,
+                                       self.scale, b.attn[begin:end], count)
             layer.o(b.attn, b.o, rows)
             b.h[:m] += b.o[:m]
             ops.rms_norm(b.h, layer.post_norm, eps, b.x, m)

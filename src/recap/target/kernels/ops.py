@@ -10,12 +10,18 @@ division by zero gives inf instead of raising, which none of these can meet anyw
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit, prange
 
 from recap.target.kernels.exp import exp32
+from recap.target.kernels.linear import NO_BIAS, _block3
 
 FASTMATH = {"reassoc", "contract"}
+KEY_BLOCK = 3
+"""Keys scored together by `tree_scores` (the 3x4 block of the linear layers: 3 keys x 4
+queries), at positions 3b, 3b + 1, 3b + 2 of every query's key sequence."""
 
 
 @njit(fastmath=FASTMATH, cache=True)
@@ -130,3 +136,176 @@ def tree_attention(q, keys, values, past, starts, ancestors, scale, out, rows): 
             for d in range(dim):
                 acc[d] += p * v[d]
         out[i, h * dim : (h + 1) * dim] = acc
+
+
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def _quad_scores(queries, keys, past, lengths, firsts, ancestors, units, b, scores):  # pragma: no cover - compiled
+    """``scores[u, j] = queries[u] . (key j of query u)``, unscaled, for the 4 queries u of
+    quad ``b`` and j < lengths[u]. queries: (Up, D) f32, one kv head's query vectors; keys:
+    (S, D) f32, its cache; scores: (Up, >= max length) f32.
+
+    Each score is one dot product of `_block3`, the linear layers' 3x4 block (3 keys x 4
+    queries), key j always in lane j % 3 of the block of keys 3 * (j // 3). The cached
+    prefix's full blocks are the same keys for all 4 queries (each key row read once for
+    them); the rest (the prefix's last partial block, the query's own path) run per query
+    on its own keys, the other slots idle. Key j's score is thus the same in a tree as in
+    the one-token step at the node's position (where key j may be a cached one, computed
+    by the shared loop), provided the block gives a query the same bits in each of its 4
+    slots and in both loops: `block_slots_exact` checks both before this is used."""
+    shared = past - past % KEY_BLOCK
+    for j in range(0, shared, KEY_BLOCK):
+        _block3(queries, 4 * b, keys[j], keys[j + 1], keys[j + 2], scores, j, j + 1, j + 2, NO_BIAS)
+    block = np.empty((4, KEY_BLOCK), np.float32)
+    quad = queries[4 * b:4 * b + 4]
+    for u in range(4 * b, min(4 * b + 4, units)):
+        length, first, m = lengths[u], firsts[u], u - 4 * b
+        for j in range(shared, length, KEY_BLOCK):
+            s0 = _key_slot(j, past, ancestors, first)
+            s1 = _key_slot(j + 1, past, ancestors, first) if j + 1 < length else s0
+            s2 = _key_slot(j + 2, past, ancestors, first) if j + 2 < length else s0
+            _block3(quad, 0, keys[s0], keys[s1], keys[s2], block, 0, 1, 2, NO_BIAS)
+            for lane in range(min(KEY_BLOCK, length - j)):
+                scores[u, j + lane] = block[m, lane]
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def quad_attention(q, keys, values, past, lengths, firsts, ancestors, scale, out, rows,  # pragma: no cover - compiled
+                   queries, scores, acc):
+    """`tree_attention` (q, keys, values, past, ancestors, scale, out, rows as there) four
+    queries of one kv head at a time, one parallel task per quad: query head h of row i is
+    query u = i * G + h % G of kv head h // G (G query heads per kv head). Per quad: its
+    queries gathered, dot products by `_quad_scores`, then per query the same softmax as
+    `tree_attention` (scale, max, `exp32`, sum in key order, p = e / total) and the same
+    weighted sum of V (each element ``acc[d] += p * v[d]`` in key order, IEEE), the cached
+    prefix's V rows read once for the 4 queries; the results go to ``out``.
+
+    lengths, firsts: (Up,) int64, query u's key count (past + depth + 1, 0 for padding)
+    and path start in ``ancestors``; queries, acc: (H_kv, Up, D) f32 and scores: (H_kv, Up,
+    >= max length) f32, scratch (Up: the queries rounded up to a multiple of 4)."""
+    kv_heads, up, dim = queries.shape
+    groups = q.shape[1] // dim // kv_heads
+    units = rows * groups
+    quads = up // 4
+    for task in prange(kv_heads * quads):
+        g = task // quads
+        b = task % quads
+        for u in range(4 * b, 4 * b + 4):
+            if u < units:
+                h = g * groups + u % groups
+                queries[g, u, :] = q[u // groups, h * dim:(h + 1) * dim]
+            else:
+                queries[g, u, :] = 0
+        probs = scores[g]
+        _quad_scores(queries[g], keys[g], past, lengths, firsts, ancestors, units, b, probs)
+        for u in range(4 * b, 4 * b + 4):
+            row = probs[u]
+            if u >= units:  # a padding slot: weight 0 on the shared keys
+                for j in range(past):
+                    row[j] = 0
+                continue
+            length = lengths[u]
+            top = -np.inf
+            for j in range(length):
+                s = row[j] * np.float32(scale)
+                row[j] = s
+                top = max(top, s)
+            peak = np.float32(top)
+            for j in range(length):  # vectorised
+                row[j] = exp32(row[j] - peak)
+            total = np.float32(0)
+            for j in range(length):  # in key order, as a plain step sums them
+                total += row[j]
+            for j in range(length):
+                row[j] = row[j] / total
+        a0, a1, a2, a3 = acc[g, 4 * b], acc[g, 4 * b + 1], acc[g, 4 * b + 2], acc[g, 4 * b + 3]
+        p0, p1, p2, p3 = probs[4 * b], probs[4 * b + 1], probs[4 * b + 2], probs[4 * b + 3]
+        a0[:] = 0
+        a1[:] = 0
+        a2[:] = 0
+        a3[:] = 0
+        for j in range(past):
+            v = values[g, j]
+            w0, w1, w2, w3 = p0[j], p1[j], p2[j], p3[j]
+            for d in range(dim):  # vectorised over d; each element's sum stays in key order
+                x = v[d]
+                a0[d] += w0 * x
+                a1[d] += w1 * x
+                a2[d] += w2 * x
+                a3[d] += w3 * x
+        for u in range(4 * b, min(4 * b + 4, units)):
+            a, row, first = acc[g, u], probs[u], firsts[u]
+            for j in range(past, lengths[u]):
+                w = row[j]
+                v = values[g, _key_slot(j, past, ancestors, first)]
+                for d in range(dim):
+                    a[d] += w * v[d]
+            h = g * groups + u % groups
+            out[u // groups, h * dim:(h + 1) * dim] = a
+
+
+class QuadAttention:
+    """Attention by `quad_attention`, for models with at least `MIN_GROUPS` query heads per kv
+    head (a one-token step then fills most of a quad's slots; with fewer, the idle slots
+    cost more than sharing saves) where `block_slots_exact` holds. Whether it is used
+    depends on the model and the machine only, never on a step's row count, so a tree and a
+    plain step always share arithmetic. A step first makes one `plan` per request (the
+    queries' key counts, scratch views); every layer then runs on it."""
+
+    MIN_GROUPS = 3
+
+    def __init__(self, heads: int, kv_heads: int, head_dim: int):
+        self.groups, self.kv_heads, self.head_dim = heads // kv_heads, kv_heads, head_dim
+        self._memory = np.zeros(0, np.float32)
+
+    @classmethod
+    def suits(cls, heads: int, kv_heads: int, head_dim: int) -> bool:
+        return heads // kv_heads >= cls.MIN_GROUPS and block_slots_exact(head_dim)
+
+    def plan(self, past: int, starts: np.ndarray, rows: int) -> tuple:
+        """For a step of ``rows`` packed nodes after ``past`` cached tokens (``starts`` as
+        `tree_attention`'s): lengths, firsts and C-contiguous scratch views (numba compiles
+        strided views apart, and slower), carved from a buffer that only grows. The requests
+        of a batched step run one after another, so their plans may share it."""
+        units = rows * self.groups
+        up = -(-units // 4) * 4
+        row_of = np.minimum(np.arange(up) // self.groups, rows - 1)
+        firsts = np.ascontiguousarray(starts[row_of], dtype=np.int64)
+        lengths = past + starts[row_of + 1] - firsts
+        lengths[units:] = 0
+        kv, dim, width = self.kv_heads, self.head_dim, int(lengths.max()) + KEY_BLOCK
+        sizes = (kv * up * dim, kv * up * dim, kv * up * width)
+        if len(self._memory) < sum(sizes):
+            self._memory = np.zeros(2 * sum(sizes), np.float32)
+        a, b = sizes[0], sizes[0] + sizes[1]
+        return (past, rows, lengths, firsts, self._memory[:a].reshape(kv, up, dim),
+                self._memory[b:b + sizes[2]].reshape(kv, up, width), self._memory[a:b].reshape(kv, up, dim))
+
+    def __call__(self, plan: tuple, q, keys, values, ancestors, scale: float, out) -> None:
+        """`tree_attention` of the planned step (q, keys, values, ancestors, scale, out as there)."""
+        past, rows, lengths, firsts, queries, scores, acc = plan
+        quad_attention(q, keys, values, past, lengths, firsts, ancestors, scale, out, rows, queries, scores, acc)
+
+
+@functools.cache
+def block_slots_exact(head_dim: int) -> bool:
+    """Whether `_quad_scores` gives a query the same bits in each of its 4 slots, and in its
+    shared loop as in its per-query loop, for dot products of length ``head_dim`` on this
+    machine (random numbers). Both loops inline the same block, whose 12 accumulators LLVM
+    compiles alike where it vectorises them alike: this checks that it did."""
+    rng = np.random.default_rng(head_dim)
+    x = rng.standard_normal((4, head_dim), dtype=np.float32)
+    keys = rng.standard_normal((2 * KEY_BLOCK, head_dim), dtype=np.float32)
+    length, reference = 2 * KEY_BLOCK, None
+    for past in (length, 0):  # every key in the shared loop, then every key on each query's own path
+        path, lengths, firsts = np.arange(length, dtype=np.int64), np.full(4, length, np.int64), np.zeros(4, np.int64)
+        for shift in range(4):
+            got = np.zeros((4, length), np.float32)
+            _quad_scores(np.ascontiguousarray(np.roll(x, shift, axis=0)), keys, past, lengths, firsts, path, 4, 0, got)
+            back = np.roll(got, -shift, axis=0)
+            if reference is None:
+                reference = back
+            elif back.tobytes() != reference.tobytes():
+                return False
+    return True
