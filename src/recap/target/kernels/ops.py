@@ -141,6 +141,25 @@ def tree_attention(q, keys, values, past, starts, ancestors, scale, out, rows): 
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
+def _sum32(a):  # pragma: no cover - compiled
+    # a: (L,) f32 -> f32, vectorised like `_dot` (one compiled loop for every call, so the
+    # order depends on the length alone): the softmax total of quad attention
+    s = np.float32(0)
+    for j in range(a.shape[0]):
+        s += a[j]
+    return s
+
+
+@njit(fastmath={"nnan", "nsz"}, cache=True, nogil=True)
+def _max32(a):  # pragma: no cover - compiled
+    # a: (L >= 1,) f32 -> its maximum (exact in any order; vectorised on finite scores)
+    top = a[0]
+    for j in range(1, a.shape[0]):
+        top = max(top, a[j])
+    return top
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _quad_scores(queries, keys, past, lengths, firsts, ancestors, units, b, scores):  # pragma: no cover - compiled
     """``scores[u, j] = queries[u] . (key j of query u)``, unscaled, for the 4 queries u of
     quad ``b`` and j < lengths[u]. queries: (Up, D) f32, one kv head's query vectors; keys:
@@ -176,10 +195,11 @@ def quad_attention(q, keys, values, past, lengths, firsts, ancestors, scale, out
     """`tree_attention` (q, keys, values, past, ancestors, scale, out, rows as there) four
     queries of one kv head at a time, one parallel task per quad: query head h of row i is
     query u = i * G + h % G of kv head h // G (G query heads per kv head). Per quad: its
-    queries gathered, dot products by `_quad_scores`, then per query the same softmax as
-    `tree_attention` (scale, max, `exp32`, sum in key order, p = e / total) and the same
-    weighted sum of V (each element ``acc[d] += p * v[d]`` in key order, IEEE), the cached
-    prefix's V rows read once for the 4 queries; the results go to ``out``.
+    queries gathered, dot products by `_quad_scores`, then per query a softmax (scale, max,
+    `exp32`, the total by `_sum32`, a vectorised sum whose order depends on the query's key
+    count alone, p = e / total) and the weighted sum of V as `tree_attention` forms it (each
+    element ``acc[d] += p * v[d]`` in key order, IEEE), the cached prefix's V rows read once
+    for the 4 queries; the results go to ``out``.
 
     lengths, firsts: (Up,) int64, query u's key count (past + depth + 1, 0 for padding)
     and path start in ``ancestors``; queries, acc: (H_kv, Up, D) f32 and scores: (H_kv, Up,
@@ -206,17 +226,12 @@ def quad_attention(q, keys, values, past, lengths, firsts, ancestors, scale, out
                     row[j] = 0
                 continue
             length = lengths[u]
-            top = -np.inf
             for j in range(length):
-                s = row[j] * np.float32(scale)
-                row[j] = s
-                top = max(top, s)
-            peak = np.float32(top)
+                row[j] = row[j] * np.float32(scale)
+            peak = _max32(row[:length])
             for j in range(length):  # vectorised
                 row[j] = exp32(row[j] - peak)
-            total = np.float32(0)
-            for j in range(length):  # in key order, as a plain step sums them
-                total += row[j]
+            total = _sum32(row[:length])
             for j in range(length):
                 row[j] = row[j] / total
         a0, a1, a2, a3 = acc[g, 4 * b], acc[g, 4 * b + 1], acc[g, 4 * b + 2], acc[g, 4 * b + 3]
@@ -225,10 +240,20 @@ def quad_attention(q, keys, values, past, lengths, firsts, ancestors, scale, out
         a1[:] = 0
         a2[:] = 0
         a3[:] = 0
-        for j in range(past):
-            v = values[g, j]
+        for j in range(0, past - past % 2, 2):  # two keys per pass: half the loads and stores of acc
+            v, y = values[g, j], values[g, j + 1]
             w0, w1, w2, w3 = p0[j], p1[j], p2[j], p3[j]
+            z0, z1, z2, z3 = p0[j + 1], p1[j + 1], p2[j + 1], p3[j + 1]
             for d in range(dim):  # vectorised over d; each element's sum stays in key order
+                x, t = v[d], y[d]
+                a0[d] = (a0[d] + w0 * x) + z0 * t
+                a1[d] = (a1[d] + w1 * x) + z1 * t
+                a2[d] = (a2[d] + w2 * x) + z2 * t
+                a3[d] = (a3[d] + w3 * x) + z3 * t
+        if past % 2:
+            v = values[g, past - 1]
+            w0, w1, w2, w3 = p0[past - 1], p1[past - 1], p2[past - 1], p3[past - 1]
+            for d in range(dim):
                 x = v[d]
                 a0[d] += w0 * x
                 a1[d] += w1 * x
