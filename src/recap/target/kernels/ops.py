@@ -291,8 +291,10 @@ class QuadAttention:
     def plan(self, past: int, starts: np.ndarray, rows: int) -> tuple:
         """For a step of ``rows`` packed nodes after ``past`` cached tokens (``starts`` as
         `tree_attention`'s): lengths, firsts and C-contiguous scratch views (numba compiles
-        strided views apart, and slower), carved from a buffer that only grows. The requests
-        of a batched step run one after another, so their plans may share it."""
+        strided views apart, and slower), carved from a buffer that only grows (to 1.25x the
+        largest step's need: about 12 MB for a 64-row prompt chunk at 4,096 cached tokens on
+        SmolLM2). The requests of a batched step run one after another, so their plans may
+        share it."""
         units = rows * self.groups
         up = -(-units // 4) * 4
         row_of = np.minimum(np.arange(up) // self.groups, rows - 1)
@@ -301,8 +303,8 @@ class QuadAttention:
         lengths[units:] = 0
         kv, dim, width = self.kv_heads, self.head_dim, int(lengths.max()) + KEY_BLOCK
         sizes = (kv * up * dim, kv * up * dim, kv * up * width)
-        if len(self._memory) < sum(sizes):
-            self._memory = np.zeros(2 * sum(sizes), np.float32)
+        if len(self._memory) < sum(sizes):  # a quarter to spare: contexts grow a few rows a step
+            self._memory = np.zeros(sum(sizes) + sum(sizes) // 4, np.float32)
         a, b = sizes[0], sizes[0] + sizes[1]
         return (past, rows, lengths, firsts, self._memory[:a].reshape(kv, up, dim),
                 self._memory[b:b + sizes[2]].reshape(kv, up, width), self._memory[a:b].reshape(kv, up, dim))
