@@ -6,6 +6,7 @@ Also the negative controls: deliberately broken verifiers must be caught by the 
 import numpy as np
 import pytest
 
+import recap
 import recap.target.base as target_base
 from recap.check import run_check
 from recap.core import ROOT, VerifiedTree
@@ -13,6 +14,7 @@ from recap.proposers import DecoyDrafter, make_proposer
 from recap.proposers.pld import PromptLookupProposer
 from recap.proposers.testing import RandomDrafter
 from recap.target import QwenVLTarget
+from recap.target.kernels import ops
 from tests.broken_verifiers import first_child_walk
 from tests.conftest import load_target
 from tests.helpers import ReferencePrimed, assert_drafted
@@ -90,6 +92,18 @@ def test_pld_is_lossless_with_accepted_drafts_on_tiny_architectures(tiny_target)
     _assert_all_passed(report)
     assert_drafted(report, min_accepted=30)
     assert any(case.cut_inside_path for case in report.cases)
+
+
+def test_decoy_trees_are_lossless_with_quad_attention(monkeypatch):
+    """The tiny models' 2 query heads per kv head are below `QuadAttention.MIN_GROUPS`: with
+    the threshold lowered, decoy trees on the M-RoPE model (text and images) run through
+    quad attention and stay lossless against plain decoding on the same kernels."""
+    monkeypatch.setattr(ops.QuadAttention, "MIN_GROUPS", 1)
+    target = recap.load("tiny-qwen2.5-vl", kernels="fast")
+    assert target._fast.quad_attention is not None
+    report = run_check(target, RecordingDecoy(seed=5), prompts=10, max_new_tokens=30, vary=True, seed=2)
+    _assert_all_passed(report)
+    assert_drafted(report, min_accepted=30)
 
 
 @pytest.mark.slow

@@ -25,8 +25,8 @@ from recap.target.kernels.decoder import FastDecoder
 KERNELS_REVISION = 5
 """Bumped when the fast kernels' speed or arithmetic changes (2: the 2-row block, `exp32`; 3:
 the 3x4 block on 16-register CPUs; 4: the 16x1 block for 1-row steps on AVX-512; 5: quad
-attention), so a cost
-profile measured on older kernels is measured again (`recap.target.profile`)."""
+attention), so a cost profile measured on older kernels is measured again
+(`recap.target.profile`)."""
 
 KERNELS = ("auto", "fast", "stock")
 """``auto``: ``fast`` on CPU where the architecture is supported, ``stock`` elsewhere."""

@@ -20,7 +20,7 @@ from recap.target.kernels.linear import NO_BIAS, _block3
 
 FASTMATH = {"reassoc", "contract"}
 KEY_BLOCK = 3
-"""Keys scored together by `tree_scores` (the 3x4 block of the linear layers: 3 keys x 4
+"""Keys scored together by `_quad_scores` (the 3x4 block of the linear layers: 3 keys x 4
 queries), at positions 3b, 3b + 1, 3b + 2 of every query's key sequence."""
 
 
@@ -136,8 +136,6 @@ def tree_attention(q, keys, values, past, starts, ancestors, scale, out, rows): 
             for d in range(dim):
                 acc[d] += p * v[d]
         out[i, h * dim : (h + 1) * dim] = acc
-
-
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
