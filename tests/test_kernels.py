@@ -54,11 +54,13 @@ def mismatched_nodes(target, tree: DraftTree, root: int = 42) -> int:
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)
-def test_packed_verify_is_bit_identical_to_plain_steps(name):
+@pytest.mark.parametrize("size", [24, 5])
+def test_packed_verify_is_bit_identical_to_plain_steps(name, size):
+    """25 and 6 packed rows: on a 3x4 machine the last 1 or 2 rows run on a remainder block."""
     target = load_target(name)
     assert target.kernels == "fast"
-    tree = _random_tree(np.random.default_rng(0), 24, 1000)
-    assert tree.max_depth >= 4
+    tree = _random_tree(np.random.default_rng(0), size, 1000)
+    assert tree.max_depth >= 3
     assert mismatched_nodes(target, tree) == 0
 
 
@@ -179,9 +181,10 @@ def test_linear_rows_do_not_depend_on_their_neighbours(rows, out_features, in_fe
                    float16=dtype == "float16", weight_rows=weight_rows)
     x = np.zeros((max(padded_rows(rows), 4), in_features), np.float32)
     x[:rows] = rng.standard_normal((rows, in_features), dtype=np.float32)
-    out = layer(x, np.zeros((len(x), out_features), np.float32), padded_rows(rows))
+    out = layer(x, np.zeros((len(x), out_features), np.float32), rows)
     assert layer.two_rows == (weight_rows == 4 and out_features % 8 == 0)  # the machine check passes here
     assert layer.one_row == (layer.two_rows and out_features % 16 == 0)    # and so does the 16x1 block's
+    assert layer.remainders == (weight_rows == 3)                          # and the 12x1 / 6x2 blocks'
     for row in range(rows):
         single = np.zeros((4, in_features), np.float32)
         single[row % 4] = x[row]  # any slot of the 4-row block
@@ -257,6 +260,31 @@ def test_a_two_row_block_with_other_arithmetic_is_refused(monkeypatch):
         layer(np.ones((2, 96), np.float32), np.zeros((2, 16), np.float32), 2)
     out = layer(np.ones((4, 96), np.float32), np.zeros((4, 16), np.float32), 2)  # computed as 4 rows
     assert np.array_equal(out[:2], np.full((2, 16), 96, np.float32))
+
+
+def test_a_remainder_block_with_other_arithmetic_is_refused(monkeypatch):
+    """The machine check of the 12x1 / 6x2 blocks must fail for remainder rows summed in
+    another order (float64, then rounded), and such a layer then pads every step to a
+    multiple of 4 rows, computed on the 3x4 block alone."""
+    real = kernel_linear.linear3_f32
+
+    def float64_remainders(x, w, bias, out, rows, remainders):
+        real(x, w, bias, out, rows, remainders)
+        if remainders and rows > 4 and rows % 4 in (1, 2):
+            last = slice(rows - rows % 4, rows)
+            out[last] = (x[last].astype(np.float64) @ w.astype(np.float64).T + bias).astype(np.float32)
+
+    check = kernel_linear.remainder_rows_exact.__wrapped__
+    assert check(96, "float32") and check(37, "float32")
+    monkeypatch.setattr(kernel_linear, "linear3_f32", float64_remainders)
+    monkeypatch.setattr(kernel_linear, "remainder_rows_exact", check)
+    assert not check(96, "float32")
+    rng = np.random.default_rng(5)
+    weight, x = rng.standard_normal((30, 96), dtype=np.float32), rng.standard_normal((8, 96), dtype=np.float32)
+    layer = Linear(weight, None, weight_rows=3)
+    assert not layer.remainders
+    five = layer(x, np.zeros((8, 30), np.float32), 5)[:5].copy()
+    assert np.array_equal(five, layer(x, np.zeros((8, 30), np.float32), 8)[:5])
 
 
 # ----------------------------------------------------------------------------- exp and SiLU

@@ -22,7 +22,6 @@ from recap.images import synthetic_image
 from recap.proposers import make_proposer
 from recap.target import base as target_base
 from recap.target.kernels import decoder as decoder_module
-from recap.target.kernels.linear import padded_rows
 from recap.target.kernels.prefix import PREFILL_CHUNK, PrefixCache, chain
 from tests.conftest import TINY_MODELS, load_target
 
@@ -31,7 +30,7 @@ QUESTIONS = ("Name a large river and say where it flows, the river and the sea."
 
 
 def _head_rows_counted(target, monkeypatch) -> list[int]:
-    """Rows each call of the fast decoder's LM head computes (padding included)."""
+    """Rows each call of the fast decoder's LM head is asked for (the kernel pads them itself)."""
     calls: list[int] = []
     head = target._fast.head
 
@@ -76,10 +75,10 @@ def test_each_method_prefills_the_rows_it_reads(name, monkeypatch):
     assert ar.tokens == full.tokens
     prompt = seen[0]
     wanted = np.union1d(first_eligible(prompt.ids, prompt.eligible), [length - 1])
-    assert ar_rows <= padded_rows(1) and len(wanted) < length  # the chat template repeats tokens
+    assert ar_rows == 1 and len(wanted) < length  # the chat template repeats tokens
     chunks = [np.count_nonzero((wanted >= start) & (wanted < start + PREFILL_CHUNK))
               for start in range(0, length, PREFILL_CHUNK)]
-    assert sum(calls) == sum(padded_rows(n) for n in chunks if n)  # each chunk's picked rows, padded to the block
+    assert sum(calls) == sum(chunks)  # each chunk's picked rows, no other
     computed = prompt.topk_ids[:, 0] != NOT_COMPUTED
     assert prompt.topk_ids.shape == (length, target.top_k) and np.array_equal(np.flatnonzero(computed), wanted)
     assert np.all(prompt.topk_logits[~computed] == -np.inf)
@@ -230,7 +229,7 @@ def test_a_head_that_leaves_picked_rows_in_place_is_caught(monkeypatch):
     def unmoved(self, picked):
         b = self._buffers
         b.x[: len(picked)] = b.x[picked]
-        self.head(b.x, b.logits, decoder_module.padded_rows(len(picked)))
+        self.head(b.x, b.logits, len(picked))
 
     monkeypatch.setattr(decoder_module.FastDecoder, "_head_rows", unmoved)
     target.prefix_cache.clear()

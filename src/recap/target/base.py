@@ -224,6 +224,12 @@ class TargetModel(BaseTarget):
         return self.model.dtype
 
     @property
+    def cost_row_block(self) -> int:
+        """How a step's cost grows with its packed rows, for the cost profile: 1 (row by row)
+        on stock kernels, the fast decoder's `FastDecoder.row_block` on the fast ones."""
+        return self._fast.row_block if self.kernels == "fast" else 1
+
+    @property
     def eos_token_ids(self) -> list[int]:
         eos = self.model.generation_config.eos_token_id
         if eos is None:

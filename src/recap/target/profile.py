@@ -44,11 +44,12 @@ if TYPE_CHECKING:
 DEFAULT_CONTEXTS = (128, 1024)
 """Context lengths measured: two, so the growth of t(N) with the cached prefix is known."""
 QUICK_SIZES = (1, 2, 4, 8, 16, 32, 64)
-FAST_SIZES = (1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 17, 24, 25, 32, 33, 48, 49, 64, 96, 128)
-FAST_QUICK_SIZES = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64)
-"""On the fast kernels a step's cost jumps at each row block (1-2 packed tokens run as 2
-rows, 3-4 as 4, 5-8 as 8, ...): sizes on both sides of block boundaries, so interpolation does
-not smooth the steps."""
+FAST_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17, 24, 25, 32, 33, 48, 49, 64, 96, 128)
+FAST_QUICK_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 16, 17, 32, 33, 64)
+"""On the fast kernels a step's cost jumps at each row block (1-4 packed tokens run as 4
+rows, 5-8 as 8, ...; on 3x4 machines 4k + 1 and 4k + 2 rows cost less than the whole block,
+`FastDecoder.row_block`): every size up to 10 and both sides of the larger block
+boundaries, so interpolation does not smooth the steps where drafts are usually chosen."""
 """Beyond 64 the profile extrapolates the 32-64 slope."""
 REPEATS = 4
 QUICK_REPEATS = 3
@@ -217,7 +218,7 @@ def measure_profile(target: TargetModel, sizes: Sequence[int] | None = None,
     fitted_sizes, fitted_contexts = _fit(target, sizes, contexts)
     times = measure_times(target, fitted_sizes, fitted_contexts, repeats, seed=seed, progress=progress)
     return CostProfile(sizes=fitted_sizes, contexts=fitted_contexts, times=times, key=profile_key(target),
-                       source="measured", row_block=ROW_BLOCK if target.kernels == "fast" else 1)
+                       source="measured", row_block=target.cost_row_block)
 
 
 # --------------------------------------------------------------------------- choosing a profile

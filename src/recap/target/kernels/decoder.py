@@ -94,6 +94,11 @@ class FastDecoder:
                 gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj)))
         self.norm = _vector(decoder.norm.weight)
         self.head = _linear(model.get_output_embeddings())
+        linears = [linear for layer in self.layers for linear in layer.linears()] + [self.head]
+        self.row_block = 1 if all(linear.remainders for linear in linears) else ROW_BLOCK
+        """How a step's cost grows with its rows (`recap.core.cost.CostProfile.row_block`): in
+        blocks of 4, or row by row where every layer runs the last 1 or 2 rows of a step past 4
+        on a remainder block (3x4 machines; a step of 4k + 3 rows still costs 4k + 4)."""
         self.two_rows = [linear.two_rows for layer in self.layers for linear in layer.linears()] + [
             self.head.two_rows]
         """Per linear layer: whether its 1- and 2-row steps run on the 2-row block (where its
@@ -218,9 +223,9 @@ class FastDecoder:
             b.h[first:first + len(vectors)] = vectors
         for index, layer in enumerate(self.layers):
             ops.rms_norm(b.h, layer.input_norm, eps, b.x, m)
-            layer.q(b.x, b.q, rows)
-            layer.k(b.x, b.k, rows)
-            layer.v(b.x, b.v, rows)
+            layer.q(b.x, b.q, m)
+            layer.k(b.x, b.k, m)
+            layer.v(b.x, b.v, m)
             ops.rope(b.q, args.heads, cos, sin, m)
             ops.rope(b.k, args.kv_heads, cos, sin, m)
             for (begin, end, cache), plan in zip(spans, plans):
@@ -232,17 +237,17 @@ class FastDecoder:
                 else:
                     ops.tree_attention(b.q[begin:end], keys, values, cache.length, starts[begin:end + 1], paths,
                                        self.scale, b.attn[begin:end], count)
-            layer.o(b.attn, b.o, rows)
+            layer.o(b.attn, b.o, m)
             b.h[:m] += b.o[:m]
             ops.rms_norm(b.h, layer.post_norm, eps, b.x, m)
-            layer.gate(b.x, b.gate, rows)
-            layer.up(b.x, b.up, rows)
+            layer.gate(b.x, b.gate, m)
+            layer.up(b.x, b.up, m)
             ops.silu_mul(b.gate, b.up, m)
-            layer.down(b.gate, b.o, rows)
+            layer.down(b.gate, b.o, m)
             b.h[:m] += b.o[:m]
         ops.rms_norm(b.h, self.norm, eps, b.x, m)
         if logit_rows is None or len(logit_rows) == m:
-            self.head(b.x, b.logits, rows)
+            self.head(b.x, b.logits, m)
         elif len(logit_rows):
             self._head_rows(np.asarray(logit_rows, np.int64))
         return b.logits[:m]
@@ -254,7 +259,7 @@ class FastDecoder:
         overwritten before it is moved."""
         b, n = self._buffers, len(picked)
         b.x[:n] = b.x[picked]
-        self.head(b.x, b.logits, padded_rows(n))
+        self.head(b.x, b.logits, n)
         for i in range(n - 1, -1, -1):
             if picked[i] != i:
                 b.logits[picked[i]] = b.logits[i]
