@@ -134,6 +134,31 @@ def test_recap_seeds_the_same_memory_from_its_rows(name):
     assert again.tokens == reference.tokens and sum(it.accepted for it in again.iterations) > 0
 
 
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_recap_without_prompt_seeding_prefills_one_head_row(name, monkeypatch):
+    """``--ablation no-prompt-seed``: the prefill runs the head on its last row alone and U
+    starts empty on a cold stream; the stream still learns from verified rows (the repeated
+    request gets drafts accepted) and every output is AR's."""
+    target = load_target(name)
+    target.prefix_cache = PrefixCache()
+    inputs = _image_inputs(target, QUESTIONS[0])
+    reference = decode(target, make_proposer("ar"), inputs, max_new_tokens=24)
+    stream = make_proposer("recap", ablation="no-prompt-seed")
+    assert stream.prompt_rows == "none" and make_proposer("recap").prompt_rows == "first"
+    seen = []
+    begin = stream.begin_request
+    monkeypatch.setattr(stream, "begin_request",
+                        lambda rows: seen.append(begin(rows) or stream.memory.counts()[0]))
+    calls = _head_rows_counted(target, monkeypatch)
+    target.prefix_cache.clear()
+    first = decode(target, stream, inputs, max_new_tokens=24)
+    assert calls[0] == 1 and seen == [0]  # one head row at prefill, nothing seeded
+    target.prefix_cache.clear()
+    again = decode(target, stream, inputs, max_new_tokens=24)
+    assert first.tokens == again.tokens == reference.tokens
+    assert seen[1] > 0 and sum(it.accepted for it in again.iterations) > 0
+
+
 def test_a_prefill_that_computes_other_rows_is_caught(monkeypatch):
     """Negative control: a target that computes each token's last occurrence instead of its
     first leaves RECAP's (and tree recycling's) rows uncomputed: seeding refuses them."""

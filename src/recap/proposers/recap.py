@@ -44,6 +44,7 @@ from recap.core.calibration import (
 )
 from recap.core.chooser import Candidates, ChosenSizes, ChosenTree, choose, rank
 from recap.core.fast import FUSION_MODES, PRIORS, FastMemory, context_of
+from recap.core.steps import RowsWanted
 from recap.core.store import OutputStore
 from recap.core.suffix import SuffixAutomaton
 from recap.core.timing import StageTimer
@@ -90,6 +91,12 @@ class RecapConfig:
     max_memory_rows: int | None = None
     """Bound of U (rows, per stream; None: one per vocabulary token at most). Past it, after a
     request, the rows whose token was least recently in a request's text are evicted."""
+    seed_prompt: bool = True
+    """Seed U from the prompt's rows at prefill (the paper's step). False: U learns from
+    verified rows only and the prefill runs the LM head on its last row alone (the head is a
+    fifth of a prompt row's arithmetic on SmolLM2). Measured both ways in docs/methods.md,
+    "Prompt seeding": off is 2-3% faster on first turns, slower where a turn repeats an
+    earlier answer that the prompt quotes."""
 
     def __post_init__(self) -> None:
         if self.fusion not in FUSION_MODES:
@@ -145,6 +152,7 @@ ABLATIONS: dict[str, dict] = {
     "unigram": {"fusion": "unigram"},
     "reset-U": {"persistent_unigram": False},
     "no-suffix": {"suffix_tokens": 0},
+    "no-prompt-seed": {"seed_prompt": False},
     "persistent-CG": {"persistent_context": True},
 }
 """Named ablation switches (one ingredient changed each). The first five are the cost-aware
@@ -154,7 +162,6 @@ method's own ingredients; on ``recap-paper`` they change nothing but ``no-cost``
 class RecapProposer(BaseProposer):
     name = "recap"
     stream_state = True
-    prompt_rows = "first"  # `FastMemory.seed_from_prompt` reads each eligible token's first row
     default_config = RecapConfig()
 
     def __init__(self, config: RecapConfig | None = None, *, ablation: str | None = None,
@@ -201,6 +208,12 @@ class RecapProposer(BaseProposer):
         if memory_file is not None:
             self.load_memory(memory_file)
 
+    @property
+    def prompt_rows(self) -> RowsWanted:
+        """``first`` when U seeds from the prompt (`FastMemory.seed_from_prompt` reads each
+        eligible token's first row), else ``none``: the prefill runs the head on its last row."""
+        return "first" if self.config.seed_prompt else "none"
+
     # ------------------------------------------------------------------ stream / request
     def reset_stream(self) -> None:
         """Forget everything, U included: a new stream starts."""
@@ -226,10 +239,11 @@ class RecapProposer(BaseProposer):
             self.memory.reset_stream()
         elif not self.config.persistent_context:
             self.memory.reset_request()
-        self.memory.seed_from_prompt(prompt.ids, prompt.topk_ids, prompt.topk_logits, prompt.eligible)
-        if self._journal is not None:
-            self._journal.append(lambda memory, p=prompt: memory.seed_from_prompt(p.ids, p.topk_ids, p.topk_logits,
-                                                                                  p.eligible))
+        if self.config.seed_prompt:
+            self.memory.seed_from_prompt(prompt.ids, prompt.topk_ids, prompt.topk_logits, prompt.eligible)
+            if self._journal is not None:
+                self._journal.append(lambda memory, p=prompt: memory.seed_from_prompt(
+                    p.ids, p.topk_ids, p.topk_logits, p.eligible))
         if prompt.excluded_tokens != self._excluded or self._excluded_mask is None:
             self._excluded = prompt.excluded_tokens
             self._excluded_mask = None
