@@ -274,15 +274,18 @@ def _u_keys(proposer) -> set[int]:
 @pytest.mark.parametrize("replayed", [True, False], ids=["fork", "fork without replay (negative control)"])
 def test_a_request_overlapping_another_of_its_stream_teaches_the_stream(smollm2, monkeypatch, replayed):
     """Two requests of one RECAP stream in one batch (the second on `fork_request`): the
-    stream's token memory ends up holding the rows of both, as after running them in turn."""
+    stream's token memory ends up holding the rows of both, as after running them in turn.
+    Both seed U from every prompt row (``seed_prompt="all"``), so the forked request's
+    journal carries seeding writes as well as the rows of its verified trees (which differ
+    from the sequential run's where the shared budget sized them otherwise)."""
     prompts = ["Name three rivers of Africa.", "Write four words that rhyme with cat."]
     cases = [smollm2.prepare(p) for p in prompts]
-    sequential = make_proposer("recap")
+    sequential = make_proposer("recap", seed_prompt="all")
     for inputs in cases:
         decode(smollm2.fork(), sequential, inputs, max_new_tokens=12)
     if not replayed:
         monkeypatch.setattr(type(sequential), "_replay", lambda self, journal, vocab: None)
-    stream = make_proposer("recap")
+    stream = make_proposer("recap", seed_prompt="all")
     decode(smollm2, stream, smollm2.prepare("Say hello."), max_new_tokens=2)  # the stream exists
     seen_before = _u_keys(stream)
     batch = Batch(max_batch=2, cost=fixed_cost_profile(), prefills_per_step=2)

@@ -39,11 +39,16 @@ def test_only_the_methods_that_ask_declare_it():
     assert make_proposer("sam-viskip").wants_image_attention and not make_proposer("sam").wants_image_attention
     assert not any(make_proposer(name).wants_image_attention for name in PROPOSERS if name != "sam-viskip")
     rows = {name: make_proposer(name).prompt_rows for name in PROPOSERS}
-    seeding = {"recap", "recap-paper", "tree-recycling"}  # seed from each eligible prompt token's first row
+    seeding = {"recap-paper", "tree-recycling"}  # seed from each eligible prompt token's first row
+    answers = {"recap"}  # those first rows inside earlier assistant turns
     testing = {"decoy", "random"}  # test drafters keep the safe default
     assert {name for name, wanted in rows.items() if wanted == "first"} == seeding
+    assert {name for name, wanted in rows.items() if wanted == "answers"} == answers
     assert {name for name, wanted in rows.items() if wanted == "all"} == testing
-    assert {name for name, wanted in rows.items() if wanted == "none"} == set(PROPOSERS) - seeding - testing
+    assert {name for name, wanted in rows.items() if wanted == "none"} == set(PROPOSERS) - seeding - answers - testing
+    assert make_proposer("recap", seed_prompt="all").prompt_rows == "first"
+    with pytest.raises(InputError, match="seed_prompt"):
+        make_proposer("recap", seed_prompt="some")
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)

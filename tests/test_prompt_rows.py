@@ -56,8 +56,9 @@ def _prefill(target, inputs, rows: str):
 
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_each_method_prefills_the_rows_it_reads(name, monkeypatch):
-    """AR: the last row; RECAP: each eligible token's first row and the last, the others
-    marked not computed; the head runs on those rows only; all three give one first token."""
+    """AR: the last row; RECAP seeding from every first row (``seed_prompt="all"``, as
+    recap-paper does): each eligible token's first row and the last, the others marked not
+    computed; the head runs on those rows only; both give one first token."""
     target = load_target(name)
     target.prefix_cache = PrefixCache()
     inputs = _image_inputs(target, QUESTIONS[0])
@@ -66,7 +67,7 @@ def test_each_method_prefills_the_rows_it_reads(name, monkeypatch):
     ar = decode(target, make_proposer("ar"), inputs, max_new_tokens=1)
     ar_rows = sum(calls)
     seen = []
-    recap = make_proposer("recap")
+    recap = make_proposer("recap", seed_prompt="all")
     begin = recap.begin_request
     monkeypatch.setattr(recap, "begin_request", lambda rows: seen.append(rows) or begin(rows))
     target.prefix_cache.clear()
@@ -119,7 +120,7 @@ def test_recap_seeds_the_same_memory_from_its_rows(name):
     memories = []
     for rows in ("all", "first"):
         prompt, _ = _prefill(target, inputs, rows)
-        recap = make_proposer("recap")
+        recap = make_proposer("recap", seed_prompt="all")
         recap.begin_request(prompt)
         memories.append(recap.memory.table("unigram"))
         recap.end_request()
@@ -127,7 +128,7 @@ def test_recap_seeds_the_same_memory_from_its_rows(name):
     target.prefix_cache.clear()
     reference = decode(target, make_proposer("ar"), inputs, max_new_tokens=24)
     target.prefix_cache.clear()
-    stream = make_proposer("recap")
+    stream = make_proposer("recap", seed_prompt="all")
     decode(target, stream, inputs, max_new_tokens=24)  # the stream learns the answer
     target.prefix_cache.clear()
     again = decode(target, stream, inputs, max_new_tokens=24)
@@ -144,7 +145,7 @@ def test_recap_without_prompt_seeding_prefills_one_head_row(name, monkeypatch):
     inputs = _image_inputs(target, QUESTIONS[0])
     reference = decode(target, make_proposer("ar"), inputs, max_new_tokens=24)
     stream = make_proposer("recap", ablation="no-prompt-seed")
-    assert stream.prompt_rows == "none" and make_proposer("recap").prompt_rows == "first"
+    assert stream.prompt_rows == "none" and make_proposer("recap").prompt_rows == "answers"
     seen = []
     begin = stream.begin_request
     monkeypatch.setattr(stream, "begin_request",
@@ -157,6 +158,75 @@ def test_recap_without_prompt_seeding_prefills_one_head_row(name, monkeypatch):
     again = decode(target, stream, inputs, max_new_tokens=24)
     assert first.tokens == again.tokens == reference.tokens
     assert seen[1] > 0 and sum(it.accepted for it in again.iterations) > 0
+
+
+REPEAT_CHAT = [{"role": "user", "content": "Name three colours of the rainbow."},
+               {"role": "assistant", "content": "Red, orange and yellow are three colours of the rainbow."},
+               {"role": "user", "content": "Say that again, word for word."}]
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_the_answer_mask_finds_earlier_assistant_turns(name):
+    """Every family's chat template opens an assistant turn with a header the target finds
+    (checked on its probe), and the mask holds exactly the earlier answer's tokens; a first
+    turn has none."""
+    target = load_target(name)
+    assert target.answer_header and target.tokenizer.decode(list(target.answer_header)).endswith("assistant\n")
+    ids = np.array(target.prepare(REPEAT_CHAT).prompt_ids)
+    mask = target.answer_mask(ids)
+    assert target.tokenizer.decode(ids[mask].tolist()) == REPEAT_CHAT[1]["content"]
+    assert not target.answer_mask(np.array(target.prepare(QUESTIONS[0]).prompt_ids)).any()
+    wanted = target.wanted_rows(ids, "answers")
+    firsts = target.wanted_rows(ids, "first")
+    assert set(wanted) <= set(firsts) and wanted[-1] == len(ids) - 1
+    assert np.all(mask[wanted[:-1]]) and len(wanted) > 1
+
+
+def test_a_template_without_a_found_header_seeds_nothing(monkeypatch):
+    """Where the probe fails (here: the header is forced empty) no row counts as an earlier
+    answer: ``answers`` then computes the last row alone, and RECAP seeds nothing."""
+    target = load_target("tiny-llama")
+    target.prefix_cache = PrefixCache()
+    monkeypatch.setitem(target.__dict__, "answer_header", ())
+    inputs = target.prepare(REPEAT_CHAT)
+    assert list(target.wanted_rows(np.array(inputs.prompt_ids), "answers")) == [target.prompt_length(inputs) - 1]
+    recap = make_proposer("recap")
+    assert decode(target, recap, inputs, max_new_tokens=4).tokens == \
+        decode(target, make_proposer("ar"), inputs, max_new_tokens=4).tokens
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_recap_seeds_from_the_earlier_answer_only(name, monkeypatch):
+    """RECAP's default (``seed_prompt="answers"``): the prefill computes the first rows inside
+    the earlier answer (and the last row); U holds exactly those tokens after seeding, none
+    from the user's text; outputs are AR's, with drafts accepted once the stream has seen
+    the request (a random tiny model does not repeat the answer it is asked to)."""
+    target = load_target(name)
+    target.prefix_cache = PrefixCache()
+    inputs = target.prepare(REPEAT_CHAT)
+    ids = np.array(inputs.prompt_ids)
+    reference = decode(target, make_proposer("ar"), inputs, max_new_tokens=16)
+    recap = make_proposer("recap")
+    seeded = []
+    begin = recap.begin_request
+    monkeypatch.setattr(recap, "begin_request",
+                        lambda rows: seeded.append(begin(rows) or set(recap.memory.table("unigram"))))
+    calls = _head_rows_counted(target, monkeypatch)
+    target.prefix_cache.clear()
+    result = decode(target, recap, inputs, max_new_tokens=16)
+    wanted = target.wanted_rows(ids, "answers")
+    assert calls[0] == len(wanted)  # one prefill chunk: the answer's first rows and the last
+    assert seeded[0] == {(int(ids[p]),) for p in wanted[:-1]}  # the last row (the header) is not seeded
+    target.prefix_cache.clear()
+    again = decode(target, recap, inputs, max_new_tokens=16)
+    assert result.tokens == again.tokens == reference.tokens and sum(it.accepted for it in again.iterations) > 0
+
+
+def test_answers_rows_sit_between_none_and_first_in_the_prefix_cache():
+    from recap.target.kernels.prefix import _covers
+
+    assert _covers("first", "answers") and _covers("answers", "none") and _covers("all", "answers")
+    assert not _covers("answers", "first") and not _covers("none", "answers")
 
 
 def test_a_prefill_that_computes_other_rows_is_caught(monkeypatch):
@@ -172,7 +242,7 @@ def test_a_prefill_that_computes_other_rows_is_caught(monkeypatch):
 
     monkeypatch.setattr(target_base, "first_eligible", last_eligible)
     prompt, _ = _prefill(target, inputs, "first")
-    for method in ("recap", "tree-recycling"):
+    for method in ("recap-paper", "tree-recycling"):
         with pytest.raises(ValueError, match="not computed"):
             make_proposer(method).begin_request(prompt)
 

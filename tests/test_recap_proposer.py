@@ -141,7 +141,7 @@ def test_rows_from_another_model_do_not_change_outputs(tiny_llama):
     # generate (the receiver's own prefill reseeds the prompt tokens' rows).
     answers = [tiny_llama.tokenizer.decode(tiny_llama.reference_generate(tiny_llama.prepare(prompt), 16))
                for prompt, _ in check_prompts(4, images=False)]
-    donor = RecapProposer()
+    donor = RecapProposer(seed_prompt="all")  # its U: rows seeded from those answers as prompts
     run_check(load_target("tiny-llava-next"), donor, items=[(answer, None) for answer in answers], max_new_tokens=8)
     keys, ids, probs = donor.memory.unigram_arrays()
     fits = (keys < tiny_llama.vocab_size) & (ids < tiny_llama.vocab_size).all(axis=1)

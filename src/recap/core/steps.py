@@ -11,12 +11,13 @@ import numpy as np
 from recap.core.cost import CostProfile
 from recap.core.tree import DraftTree
 
-RowsWanted = Literal["all", "first", "none"]
+RowsWanted = Literal["all", "first", "answers", "none"]
 """Which prompt rows' Top-K a proposer reads (`Proposer.prompt_rows`), so that prefill runs
 the LM head on those alone (the last row's logits are always computed): ``all``; ``first``,
 the row at each eligible token's first occurrence (`first_eligible`: what token-keyed
-memories seed from); ``none``."""
-ROWS_WANTED: tuple[RowsWanted, ...] = ("none", "first", "all")
+memories seed from); ``answers``, those of the ``first`` rows that lie inside the prompt's
+earlier assistant turns (`TargetModel.answer_mask`); ``none``."""
+ROWS_WANTED: tuple[RowsWanted, ...] = ("none", "answers", "first", "all")
 """Narrowest first: rows computed for a choice serve every choice before it."""
 NOT_COMPUTED = -1
 """``PromptRows.topk_ids`` of a row prefill did not compute (its logits are -inf)."""

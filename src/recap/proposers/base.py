@@ -37,7 +37,8 @@ class Proposer(Protocol):
     prompt_rows: RowsWanted
     """Which prompt rows' Top-K (``PromptRows.topk_ids``, ``topk_logits``) the method reads:
     ``all``; ``first``, each eligible token's first occurrence (token-keyed memories seed from
-    those); ``none``. Prefill runs the LM head on those rows and the last one alone."""
+    those); ``answers``, those of them inside the prompt's earlier assistant turns; ``none``.
+    Prefill runs the LM head on those rows and the last one alone."""
 
     def begin_request(self, prompt: PromptRows) -> None: ...
 
@@ -81,8 +82,8 @@ class BaseProposer:
     wants_image_attention = False
     prompt_rows: RowsWanted = "all"
     """The safe default: a method that reads the prompt's Top-K rows gets them all; those that
-    read fewer say so (RECAP and tree recycling ``first``; AR, PLD, SAM, lookahead and token
-    recycling ``none``), and their prefill skips the head on the rest."""
+    read fewer say so (RECAP-paper and tree recycling ``first``, RECAP ``answers``; AR, PLD,
+    SAM, lookahead and token recycling ``none``), and their prefill skips the head on the rest."""
 
     def begin_request(self, prompt: PromptRows) -> None:
         self.prompt = prompt

@@ -32,7 +32,7 @@ from os import PathLike
 
 import numpy as np
 
-from recap.core import ROOT, DraftOffer, DraftTree, PromptRows, StepLimits, VerifiedTree
+from recap.core import NOT_COMPUTED, ROOT, DraftOffer, DraftTree, PromptRows, StepLimits, VerifiedTree, first_eligible
 from recap.core.calibration import (
     EVIDENCE_CELLS,
     LEGACY_CELLS,
@@ -50,6 +50,9 @@ from recap.core.suffix import SuffixAutomaton
 from recap.core.timing import StageTimer
 from recap.errors import InputError
 from recap.proposers.base import BaseProposer
+
+SEED_PROMPT = {"all": "first", "answers": "answers", "none": "none"}
+"""`RecapConfig.seed_prompt` -> the prompt rows the proposer asks prefill for."""
 
 
 @dataclass(frozen=True)
@@ -91,12 +94,15 @@ class RecapConfig:
     max_memory_rows: int | None = None
     """Bound of U (rows, per stream; None: one per vocabulary token at most). Past it, after a
     request, the rows whose token was least recently in a request's text are evicted."""
-    seed_prompt: bool = True
-    """Seed U from the prompt's rows at prefill (the paper's step). False: U learns from
-    verified rows only and the prefill runs the LM head on its last row alone (the head is a
-    fifth of a prompt row's arithmetic on SmolLM2). Measured both ways in docs/methods.md,
-    "Prompt seeding": off is 2-3% faster on first turns, slower where a turn repeats an
-    earlier answer that the prompt quotes."""
+    seed_prompt: str = "answers"
+    """Which prompt rows seed U at prefill: ``all`` (each eligible token's first row, the
+    paper's step, kept by ``recap-paper``), ``answers`` (only those inside the prompt's
+    earlier assistant turns, `TargetModel.answer_mask`) or ``none``. The prefill runs the LM
+    head on those rows alone (a fifth of a prompt row's arithmetic on SmolLM2). ``answers``
+    by default: a row of the user's text predicts how the *prompt* goes on, which the suffix
+    automaton drafts already, and it overwrites the row U learned from earlier answers; rows
+    of an earlier answer are what a turn that repeats it needs (docs/methods.md, "Prompt
+    seeding")."""
 
     def __post_init__(self) -> None:
         if self.fusion not in FUSION_MODES:
@@ -106,6 +112,8 @@ class RecapConfig:
                 raise InputError(f"{name} must be at least 1")
         if self.budget < 0 or self.suffix_tokens < 0 or self.max_continuation < 0:
             raise InputError("budget, suffix_tokens and max_continuation cannot be negative")
+        if self.seed_prompt not in SEED_PROMPT:
+            raise InputError(f"seed_prompt must be one of {', '.join(SEED_PROMPT)}, got {self.seed_prompt!r}")
         if self.store_tokens < 2:
             raise InputError("store_tokens must be at least 2")
         if self.max_memory_rows is not None and self.max_memory_rows < 1:
@@ -135,7 +143,8 @@ so far, so a request whose recycled drafts keep failing (or succeeding) shifts i
 estimates quickly while the stream's calibration cells move slowly for all requests.
 Continuations are left out: their evidence is their own (match length, run so far)."""
 
-PAPER = RecapConfig(cost_aware=False, calibration=False, long_continuation=False, stream_store=False)
+PAPER = RecapConfig(cost_aware=False, calibration=False, long_continuation=False, stream_store=False,
+                    seed_prompt="all")
 """The paper's exact configuration (``recap-paper``): fixed 63 candidates, 4-token suffix."""
 
 ABLATIONS: dict[str, dict] = {
@@ -152,7 +161,8 @@ ABLATIONS: dict[str, dict] = {
     "unigram": {"fusion": "unigram"},
     "reset-U": {"persistent_unigram": False},
     "no-suffix": {"suffix_tokens": 0},
-    "no-prompt-seed": {"seed_prompt": False},
+    "no-prompt-seed": {"seed_prompt": "none"},
+    "prompt-seed-all": {"seed_prompt": "all"},
     "persistent-CG": {"persistent_context": True},
 }
 """Named ablation switches (one ingredient changed each). The first five are the cost-aware
@@ -210,9 +220,9 @@ class RecapProposer(BaseProposer):
 
     @property
     def prompt_rows(self) -> RowsWanted:
-        """``first`` when U seeds from the prompt (`FastMemory.seed_from_prompt` reads each
-        eligible token's first row), else ``none``: the prefill runs the head on its last row."""
-        return "first" if self.config.seed_prompt else "none"
+        """The rows U seeds from (`RecapConfig.seed_prompt`): ``first`` for ``all``,
+        ``answers``, or ``none`` (the prefill runs the head on its last row alone)."""
+        return SEED_PROMPT[self.config.seed_prompt]
 
     # ------------------------------------------------------------------ stream / request
     def reset_stream(self) -> None:
@@ -239,11 +249,12 @@ class RecapProposer(BaseProposer):
             self.memory.reset_stream()
         elif not self.config.persistent_context:
             self.memory.reset_request()
-        if self.config.seed_prompt:
-            self.memory.seed_from_prompt(prompt.ids, prompt.topk_ids, prompt.topk_logits, prompt.eligible)
+        seeding = self._seeding(prompt)
+        if seeding is not None:
+            self.memory.seed_from_prompt(prompt.ids, prompt.topk_ids, prompt.topk_logits, seeding)
             if self._journal is not None:
-                self._journal.append(lambda memory, p=prompt: memory.seed_from_prompt(
-                    p.ids, p.topk_ids, p.topk_logits, p.eligible))
+                self._journal.append(lambda memory, p=prompt, e=seeding: memory.seed_from_prompt(
+                    p.ids, p.topk_ids, p.topk_logits, e))
         if prompt.excluded_tokens != self._excluded or self._excluded_mask is None:
             self._excluded = prompt.excluded_tokens
             self._excluded_mask = None
@@ -260,6 +271,23 @@ class RecapProposer(BaseProposer):
         if self.config.stream_store:
             self._store_match = self.store.matcher()
             self._store_match.sync(prompt.ids.tolist())
+
+    def _seeding(self, prompt: PromptRows) -> np.ndarray | None:
+        """The eligible mask U seeds from (None: no seeding). ``answers``: the first rows the
+        prefill computed besides its last (the target picked those inside earlier answers)."""
+        mode = self.config.seed_prompt
+        if mode == "all":
+            return prompt.eligible
+        if mode == "none" or not len(prompt.topk_ids):
+            return None
+        positions = first_eligible(prompt.ids, prompt.eligible)
+        positions = positions[positions < len(prompt.ids) - 1]
+        positions = positions[np.asarray(prompt.topk_ids)[positions, 0] != NOT_COMPUTED]
+        if not len(positions):
+            return None
+        seeding = np.zeros(len(prompt.ids), dtype=bool)
+        seeding[positions] = True
+        return seeding
 
     @property
     def _continues(self) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import inspect
 import os
 import threading
@@ -42,6 +43,10 @@ from recap.target.protocol import BaseTarget
 from recap.target.sampling import Sampler
 
 Message = dict[str, Any]
+
+
+ANSWER_PROBE = "alpha beta gamma"
+"""The assistant turn of the probe conversation `TargetModel.answer_header` checks itself on."""
 
 
 @dataclass
@@ -243,8 +248,9 @@ class TargetModel(BaseTarget):
 
     def keep_prompt_rows(self, rows: RowsWanted = "all") -> RowsWanted:
         """Which prompt rows' Top-K the next prefill computes: ``all`` by default, and again
-        after each prefill (the choice is one request's). ``first`` (RECAP, tree recycling:
-        they seed token-keyed memories from each eligible token's first row) and ``none``
+        after each prefill (the choice is one request's). ``first`` (RECAP-paper, tree
+        recycling: they seed token-keyed memories from each eligible token's first row),
+        ``answers`` (RECAP: those first rows inside earlier assistant turns) and ``none``
         (AR, PLD, SAM, lookahead, token recycling) run the LM head on those rows and the last
         one alone, as `model.generate` does for the last (``logits_to_keep``): the head is
         about a fifth of a prompt row's arithmetic on SmolLM2 (more with a larger vocabulary),
@@ -264,7 +270,57 @@ class TargetModel(BaseTarget):
         last = np.array([len(prompt) - 1], np.int64)
         if rows == "none":
             return last
-        return np.union1d(first_eligible(prompt, self.eligible(prompt)), last).astype(np.int64)
+        firsts = first_eligible(prompt, self.eligible(prompt))
+        if rows == "answers":
+            firsts = firsts[self.answer_mask(prompt)[firsts]]
+        return np.union1d(firsts, last).astype(np.int64)
+
+    def answer_mask(self, prompt: np.ndarray) -> np.ndarray:
+        """(P,) bool: the prompt positions inside earlier assistant turns (their content, up to
+        the turn's closing special token), found from the chat template's assistant header
+        (`answer_header`); all False where the header is not known."""
+        prompt = np.asarray(prompt).reshape(-1)
+        mask = np.zeros(len(prompt), dtype=bool)
+        header = self.answer_header
+        if not header:
+            return mask
+        special = np.isin(prompt, list(self._special_ids()))
+        width = len(header)
+        for start in np.flatnonzero(prompt == header[0]).tolist():
+            if tuple(prompt[start:start + width].tolist()) != header:
+                continue
+            end = start + width
+            while end < len(prompt) and not special[end]:
+                mask[end] = True
+                end += 1
+        return mask
+
+    @functools.cached_property
+    def answer_header(self) -> tuple[int, ...]:
+        """The tokens that open an assistant turn in this model's chat prompts: what the chat
+        template adds after a user turn, from its last special token on (ChatML's
+        ``<|im_start|>assistant\n``). Checked on a probe conversation whose assistant turn
+        `answer_mask` must find exactly; empty where the template has no such header or the
+        probe fails (then nothing counts as an earlier answer)."""
+        probe = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ANSWER_PROBE},
+                 {"role": "user", "content": "y"}]
+        try:
+            opened = self._build_inputs(probe[:1], None).input_ids[0].tolist()
+            whole = self._build_inputs(probe, None).input_ids[0].tolist()
+        except Exception:  # noqa: BLE001 - a template that cannot render the probe has no known header
+            return ()
+        special = self._special_ids()
+        marks = [i for i, token in enumerate(opened) if token in special]
+        if not marks or whole[:len(opened)] != opened:
+            return ()
+        self.__dict__["answer_header"] = header = tuple(opened[marks[-1]:])
+        found = np.asarray(whole)[self.answer_mask(np.asarray(whole))]
+        if self.tokenizer.decode(found.tolist()).strip() != ANSWER_PROBE:
+            return ()
+        return header
+
+    def _special_ids(self) -> set[int]:
+        return set(getattr(self.tokenizer, "all_special_ids", []) or [])
 
     def spread_rows(self, length: int, positions: np.ndarray | None, topk_ids: np.ndarray,
                     topk_logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

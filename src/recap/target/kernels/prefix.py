@@ -135,7 +135,8 @@ class ChunkedPrefill:
     clients with one system prompt) then compute the shared prefix once, not once each.
 
     The Top-K rows are computed for the positions the lane was asked to keep
-    (`TargetModel.keep_prompt_rows`: all of them, each eligible token's first, or none) and
+    (`TargetModel.keep_prompt_rows`: all of them, each eligible token's first, those of them
+    inside earlier answers, or none) and
     the last one (`logit_rows`); `PromptRows` carries the others as `recap.core.NOT_COMPUTED`
     (empty arrays for none)."""
 
