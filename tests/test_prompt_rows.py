@@ -191,8 +191,16 @@ def test_a_template_without_a_found_header_seeds_nothing(monkeypatch):
     inputs = target.prepare(REPEAT_CHAT)
     assert list(target.wanted_rows(np.array(inputs.prompt_ids), "answers")) == [target.prompt_length(inputs) - 1]
     recap = make_proposer("recap")
-    assert decode(target, recap, inputs, max_new_tokens=4).tokens == \
-        decode(target, make_proposer("ar"), inputs, max_new_tokens=4).tokens
+    seeded = []
+    begin = recap.begin_request
+    monkeypatch.setattr(recap, "begin_request", lambda rows: seeded.append(begin(rows) or recap.memory.counts()[0]))
+    reference = decode(target, make_proposer("ar"), inputs, max_new_tokens=8).tokens
+    target.prefix_cache.clear()
+    first = decode(target, recap, inputs, max_new_tokens=8)
+    target.prefix_cache.clear()
+    again = decode(target, recap, inputs, max_new_tokens=8)  # the stream has learned the answer
+    assert seeded[0] == 0 and first.tokens == again.tokens == reference
+    assert sum(it.accepted for it in again.iterations) > 0
 
 
 @pytest.mark.parametrize("name", TINY_MODELS)

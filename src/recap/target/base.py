@@ -49,6 +49,21 @@ ANSWER_PROBE = "alpha beta gamma"
 """The assistant turn of the probe conversation `TargetModel.answer_header` checks itself on."""
 
 
+def _after_headers(prompt: np.ndarray, header: tuple[int, ...], special: set[int]) -> np.ndarray:
+    """(P,) bool: the positions after each occurrence of ``header`` up to the next special
+    token (or the end); all False for an empty header."""
+    mask = np.zeros(len(prompt), dtype=bool)
+    if not header:
+        return mask
+    width = len(header)
+    stops = np.append(np.flatnonzero(np.isin(prompt, list(special))), len(prompt))
+    for start in np.flatnonzero(prompt == header[0]).tolist():
+        begin = start + width
+        if tuple(prompt[start:begin].tolist()) == header:
+            mask[begin:stops[np.searchsorted(stops, begin)]] = True
+    return mask
+
+
 @dataclass
 class ModelInputs:
     """Everything prefill needs for one request, as the model's forward takes it."""
@@ -279,21 +294,7 @@ class TargetModel(BaseTarget):
         """(P,) bool: the prompt positions inside earlier assistant turns (their content, up to
         the turn's closing special token), found from the chat template's assistant header
         (`answer_header`); all False where the header is not known."""
-        prompt = np.asarray(prompt).reshape(-1)
-        mask = np.zeros(len(prompt), dtype=bool)
-        header = self.answer_header
-        if not header:
-            return mask
-        special = np.isin(prompt, list(self._special_ids()))
-        width = len(header)
-        for start in np.flatnonzero(prompt == header[0]).tolist():
-            if tuple(prompt[start:start + width].tolist()) != header:
-                continue
-            end = start + width
-            while end < len(prompt) and not special[end]:
-                mask[end] = True
-                end += 1
-        return mask
+        return _after_headers(np.asarray(prompt).reshape(-1), self.answer_header, self._special_ids())
 
     @functools.cached_property
     def answer_header(self) -> tuple[int, ...]:
@@ -313,11 +314,10 @@ class TargetModel(BaseTarget):
         marks = [i for i, token in enumerate(opened) if token in special]
         if not marks or whole[:len(opened)] != opened:
             return ()
-        self.__dict__["answer_header"] = header = tuple(opened[marks[-1]:])
-        found = np.asarray(whole)[self.answer_mask(np.asarray(whole))]
-        if self.tokenizer.decode(found.tolist()).strip() != ANSWER_PROBE:
-            return ()
-        return header
+        header = tuple(opened[marks[-1]:])
+        whole = np.asarray(whole)
+        found = whole[_after_headers(whole, header, special)]
+        return header if self.tokenizer.decode(found.tolist()).strip() == ANSWER_PROBE else ()
 
     def _special_ids(self) -> set[int]:
         return set(getattr(self.tokenizer, "all_special_ids", []) or [])

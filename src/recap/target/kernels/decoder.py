@@ -99,8 +99,7 @@ class FastDecoder:
         """How a step's cost grows with its rows (`recap.core.cost.CostProfile.row_block`): in
         blocks of 4, or row by row where every layer runs the last 1 or 2 rows of a step past 4
         on a remainder block (3x4 machines; a step of 4k + 3 rows still costs 4k + 4)."""
-        self.two_rows = [linear.two_rows for layer in self.layers for linear in layer.linears()] + [
-            self.head.two_rows]
+        self.two_rows = [linear.two_rows for linear in linears]
         """Per linear layer: whether its 1- and 2-row steps run on the 2-row block (where its
         width is a multiple of 8 and `linear.small_rows_exact` holds), else on 4 rows."""
         self.eps = float(getattr(decoder.norm, "variance_epsilon", args.eps))
