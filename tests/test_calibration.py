@@ -92,6 +92,31 @@ def test_estimates_converge_to_the_true_acceptance_rates():
     assert calibrator.estimate(untouched) == pytest.approx(calibrator.prior[untouched])
 
 
+def test_a_cell_is_judged_by_what_its_nodes_own_priors_expected():
+    """The chooser drafts the nodes it rates highest, which sit near the top of their q bin.
+    Accepted exactly as often as their own prior says, they leave the cell's ratio at 1: a
+    node's estimate stays its prior. Judged against the prior at the bin's midpoint instead,
+    the same outcomes read as the cell doing 1.4x better than expected and every node of the
+    bin is over-rated (what the counts-only calibration did, the second calibrator here)."""
+    from recap.core.calibration import recycled_prior
+
+    q, depth = np.array([0.19]), np.array([1])
+    cell = recycled_cells(q, depth)
+    own = recycled_prior(q)[0]  # 0.066; the bin's midpoint (q 0.15) has 0.046
+    n = 20000
+    accepted = np.arange(n) < round(own * n)
+    by_own, by_cell = AcceptanceCalibrator(), AcceptanceCalibrator()
+    by_own.update(np.repeat(cell, n), accepted, np.full(n, own))
+    by_cell.update(np.repeat(cell, n), accepted)  # no priors given: each node at its cell's
+    assert by_own.recycled(q, depth)[0] == pytest.approx(own, rel=0.01)
+    assert by_own.expected[cell][0] == pytest.approx(n * own)
+    assert by_cell.recycled(q, depth)[0] > 1.3 * own
+    # A NaN prior is the cell's own (a node whose source gave none).
+    nan = AcceptanceCalibrator()
+    nan.update(np.repeat(cell, n), accepted, np.full(n, np.nan))
+    assert nan.recycled(q, depth)[0] == pytest.approx(by_cell.recycled(q, depth)[0])
+
+
 def test_a_node_labelled_for_two_sources_counts_in_both_cells():
     calibrator = AcceptanceCalibrator(prior_strength=1.0)
     a = continuation_cells(REQUEST, 3, np.array([1]))[0]
@@ -193,15 +218,15 @@ def test_reset_forgets_outcomes_and_keeps_the_settings():
 def test_a_long_copy_is_trusted_more_the_further_it_has_run():
     calibrator = AcceptanceCalibrator()
     for source in (REQUEST, STORE):
-        probs, _ = calibrator.continuation(source, 20, np.arange(1, 61))
+        probs, _, _ = calibrator.continuation(source, 20, np.arange(1, 61))
         assert np.all(np.diff(probs[1:]) >= 0) and probs[-1] > 0.97  # evidence 21 .. 79
         # A 1-token match: the rule of succession's 1/3, above the measured table's 0.15.
-        short, _ = calibrator.continuation(source, 1, np.array([1]))
+        short, _, _ = calibrator.continuation(source, 1, np.array([1]))
         assert short[0] == pytest.approx(1 / 3)
     # The chooser multiplies these along the chain: before any outcome, 40 tokens after a
     # 20-token match keep 21 x 22 / (60 x 61) = 12.6% of their path probability (the old
     # cap of 0.9 per token kept 0.9^39 = 1.6%); outcomes raise it from there.
-    probs, _ = calibrator.continuation(REQUEST, 20, np.arange(1, 41))
+    probs, _, _ = calibrator.continuation(REQUEST, 20, np.arange(1, 41))
     assert np.prod(probs[1:]) == pytest.approx(21 * 22 / (60 * 61))
 
 
@@ -209,11 +234,11 @@ def test_one_rejection_does_not_freeze_the_offsets_never_tried_again():
     """Cells keyed by evidence: a copy rejected at its 4th token once, then accepted 3 tokens
     a step for many steps, trusts its 4th token again (cells keyed by offset kept it low)."""
     calibrator = AcceptanceCalibrator()
-    _, cells = calibrator.continuation(REQUEST, 20, np.arange(1, 5))
+    _, cells, _ = calibrator.continuation(REQUEST, 20, np.arange(1, 5))
     calibrator.update(cells, np.array([True, True, True, False]))
     fourth_after_rejection = calibrator.continuation(REQUEST, 20, np.array([4]))[0][0]
     for step in range(1, 6):  # the match grows by the 3 accepted tokens and the bonus token
-        _, cells = calibrator.continuation(REQUEST, 20 + 4 * step, np.arange(1, 4))
+        _, cells, _ = calibrator.continuation(REQUEST, 20 + 4 * step, np.arange(1, 4))
         calibrator.update(cells, np.array([True, True, True]))
     fourth_later = calibrator.continuation(REQUEST, 40, np.array([4]))[0][0]
     assert fourth_later > fourth_after_rejection and fourth_later > 0.9
@@ -232,8 +257,13 @@ def test_calibration_saved_with_the_old_cells_keeps_its_recycled_counts():
     old.restore(trials, accepts)
     assert old.trials[recycled] == 10 and old.accepts[recycled] == 9
     assert old.trials[len(old.prior) - 2 * 16:].sum() == 0
+    assert old.expected[recycled] == pytest.approx(10 * old.prior[recycled])
     with pytest.raises(ValueError):
         old.restore(np.zeros(7), np.zeros(7))
+    n_cells = len(old.prior)
+    with pytest.raises(ValueError):  # expected counts of another layout: nothing changes
+        old.restore(np.ones(n_cells), np.zeros(n_cells), np.zeros(7))
+    assert old.trials[recycled] == 10
 
 
 # ----------------------------------------------------------------------------- opening chains
@@ -248,17 +278,17 @@ def test_an_opening_chain_learns_in_cells_of_its_own():
         opening = continuation_cells(source, 8, offsets, opening=True)
         running = continuation_cells(source, 8, offsets)
         assert not set(opening.tolist()) & set(running.tolist())
-        probs, cells = calibrator.continuation(source, 8, offsets, opening=True)
+        probs, cells, _ = calibrator.continuation(source, 8, offsets, opening=True)
         assert np.array_equal(cells, opening)
         assert probs[0] == pytest.approx(calibrator.continuation(source, 8, offsets[:1])[0][0])  # first: as running
         assert np.all(probs[1:] >= OPENING_PRIOR)
         assert np.all(calibrator.continuation(source, 8, offsets)[0][1:] < OPENING_PRIOR - 0.02)
         # A short opening match is a coincidence like any other until 5 tokens are matched.
-        short, _ = calibrator.continuation(source, 1, np.arange(1, 6), opening=True)
+        short, _, _ = calibrator.continuation(source, 1, np.arange(1, 6), opening=True)
         assert np.all(short[:4] < 0.7) and short[4] >= OPENING_PRIOR
     # Openings that fail teach the opening cells only.
     before = calibrator.continuation(REQUEST, 8, offsets)[0].copy()
-    _, cells = calibrator.continuation(REQUEST, 8, np.arange(1, 3), opening=True)
+    _, cells, _ = calibrator.continuation(REQUEST, 8, np.arange(1, 3), opening=True)
     for _ in range(5):
         calibrator.update(cells, np.array([True, False]))
     assert calibrator.continuation(REQUEST, 8, np.array([2]), opening=True)[0][0] < 0.5

@@ -344,6 +344,34 @@ def test_a_failing_recycled_correction_leaves_a_stored_answer_drafted(tiny_llama
     assert_drafted(result, min_accepted=10)
 
 
+def test_a_short_match_into_a_trusted_copy_offers_more_than_sams_cap(tiny_llama):
+    """A continuation is offered 16 tokens per matched token (`continuation_growth`), not
+    SAM's 4: whether they are drafted is the chooser's call. With verification free (flat
+    profile) the stored answer's first chain runs past 4 x its match and is accepted whole;
+    the output stays greedy."""
+    inputs, reference = _memory_case(tiny_llama)
+    proposer = RecapProposer()
+    proposer.store.add(list(reference))
+    matches, original = [], proposer.candidates
+
+    def candidates(history, room=None):
+        found = original(history, room)
+        matches.append(proposer._store_match.length)
+        return found
+
+    proposer.candidates = candidates
+    seen = _record_proposals(proposer)
+    result = decode(tiny_llama, proposer, inputs, max_new_tokens=20, cost=CostProfile.flat())
+    assert result.tokens == reference[:20]
+    first = seen[0][2]
+    assert matches[0] >= 1 and first.max_depth > 4 * matches[0]
+    assert result.iterations[0].accepted > 4 * matches[0]
+    assert RecapConfig().continuation_length(3) == 48 and RecapConfig().continuation_length(3, room=10) == 10
+    assert RecapConfig(continuation_growth=4).continuation_length(3) == 12
+    with pytest.raises(recap.InputError):
+        RecapConfig(continuation_growth=0)
+
+
 def _record_proposals(proposer) -> list:
     """Wrap ``proposer.propose`` to record (history length, limits, tree) of every step."""
     seen, original = [], proposer.propose
@@ -395,7 +423,7 @@ def test_nodes_past_eos_teach_the_calibration_nothing():
     from recap.core.chooser import Candidates, choose
 
     proposer = RecapProposer()
-    probs, cells = proposer.calibrator.continuation(REQUEST, 20, np.arange(1, 6))
+    probs, cells, _ = proposer.calibrator.continuation(REQUEST, 20, np.arange(1, 6))
     candidates = Candidates([], [], [], [], [])
     candidates.add_chain([5, 6, 7, 8, 9], probs, cells)
     tree, proposer._pending = choose(candidates, None, 0)

@@ -257,6 +257,7 @@ def test_memory_file_carries_the_output_store_and_the_calibration(tiny_llama, me
     assert loaded.store.flat() == saved.store.flat()
     assert loaded.calibrator.trials.tolist() == saved.calibrator.trials.tolist()
     assert loaded.calibrator.accepts.tolist() == saved.calibrator.accepts.tolist()
+    assert loaded.calibrator.expected.tolist() == saved.calibrator.expected.tolist()
     touched = saved.calibrator.trials > 0
     assert np.allclose(loaded.calibrator.estimate(np.flatnonzero(touched)),
                        saved.calibrator.estimate(np.flatnonzero(touched)))
@@ -265,6 +266,25 @@ def test_memory_file_carries_the_output_store_and_the_calibration(tiny_llama, me
     bare.begin_request(tiny_llama.prefill(tiny_llama.prepare("x"))[0])
     tiny_llama.release()
     assert bare.store.flat() == []
+
+
+def test_a_memory_file_saved_without_expected_acceptances_counts_trials_at_the_cell_prior(tiny_llama, tmp_path):
+    """Version 3 files kept (trials, accepts) only: they load as if every labelled node had sat
+    at its cell's prior, the estimate calibrations made before the expected counts."""
+    from recap.core import persistence
+
+    proposer = RecapProposer()
+    recap.generate(tiny_llama, "Counting for the calibration.", method=proposer, max_new_tokens=10)
+    calibrator = proposer.calibrator
+    keys, ids, probs = proposer.memory.unigram_arrays()
+    path = tmp_path / "no-expected.safetensors"
+    persistence.save_token_memory(path, keys, ids, probs, vocab_size=proposer.vocab_size,
+                                  calibration=(calibrator.trials, calibrator.accepts))
+    assert persistence.read_token_memory(path).calibration[2] is None
+    loaded = RecapProposer(memory_file=path)
+    loaded.begin_request(tiny_llama.prefill(tiny_llama.prepare("x"))[0])
+    tiny_llama.release()
+    assert np.allclose(loaded.calibrator.expected, calibrator.trials * calibrator.prior)
 
 
 def test_a_memory_bound_evicts_the_rows_of_tokens_not_seen_lately(tiny_llama):

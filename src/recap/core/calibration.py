@@ -3,12 +3,19 @@
 A draft node's raw score (the fused row probability q at its depth, or a continuation's
 match length and offset) ranks nodes but is not a probability. Every verification labels each
 drafted node whose parent was accepted: accepted or not. Nodes are grouped into cells by
-source and binned raw features; each cell keeps a Beta posterior whose prior is a
-conservative guess from the raw score, so the estimate starts cautious and follows the
-stream's outcomes (no training, nothing shared between streams).
+source and binned raw features. Each node has its own prior, a conservative guess from its
+raw score, and its estimate is that prior times its cell's ratio of accepted nodes to the
+sum of their own priors (smoothed by `prior_strength` pseudo-nodes at the cell's prior), so
+the estimate starts cautious and follows the stream's outcomes (no training, nothing shared
+between streams). The ratio divides by what the labelled nodes' *own* priors expected, not
+by their count times the prior at the cell's midpoint: the chooser drafts the nodes it rates
+highest, which sit near the top of their bin (0.8 q^1.5 varies 2.8x across the bin 0.1-0.2),
+so dividing by the midpoint's prior read their higher raw scores as the cell doing better
+than its prior and over-rated every node of the cell (docs/methods.md, "Calibration by
+expected acceptances").
 
 Sources and cells:
-- ``RECYCLED``: 10 bins of q x depth buckets (1, 2, 3, 4-5, 6+); prior mean 0.8 q^1.5.
+- ``RECYCLED``: 10 bins of q x depth buckets (1, 2, 3, 4-5, 6+); prior 0.8 q^1.5.
 - ``REQUEST`` / ``STORE``: suffix continuations from the request's own text or from the
   stream's earlier outputs. A chain token's evidence is the number of matched tokens it
   follows if every chain token before it is accepted: the match length for the first, plus
@@ -16,7 +23,7 @@ Sources and cells:
   prior is the larger of a table by match length (`CONTINUATION_PRIOR`, a little higher
   after the first token) and the rule of succession, e / (e + `RUN_PSEUDO`): a copy that
   has run e tokens keeps running. Within a cell that smooth prior is kept (scaled
-  by the cell's observed/prior ratio, as q is for recycled nodes), so a long copy's tokens
+  by the cell's observed/expected ratio, as q is for recycled nodes), so a long copy's tokens
   are trusted more the further it has run, and one rejection at some offset does not freeze
   later offsets that were never tried again (cells keyed by offset did that).
 - Opening chains: a continuation drafted at the request's first step rests on the prompt
@@ -152,6 +159,8 @@ class AcceptanceCalibrator:
         n_cells = _N_RECYCLED + 2 * _N_CONTINUATION
         self.trials = np.zeros(n_cells, dtype=np.float64)
         self.accepts = np.zeros(n_cells, dtype=np.float64)
+        self.expected = np.zeros(n_cells, dtype=np.float64)
+        """Per cell, the sum of its labelled nodes' own priors (what the prior expected)."""
         self.prior = np.empty(n_cells, dtype=np.float64)
         q_mid = (np.arange(Q_BINS) + 0.5) / Q_BINS
         self.prior[:_N_RECYCLED] = np.tile(recycled_prior(q_mid), len(DEPTH_EDGES) + 1)
@@ -161,6 +170,8 @@ class AcceptanceCalibrator:
                   for opening in (False, True)]
         self.prior[_N_RECYCLED:] = np.tile(np.concatenate(phases), 2)  # both sources
         self._estimate = self.prior.copy()
+        self._ratio = np.ones(n_cells, dtype=np.float64)
+        """Per cell, observed / expected acceptance (smoothed): what scales a node's own prior."""
         self.reliability_counts = np.zeros(RELIABILITY_BINS, dtype=np.float64)
         self.reliability_predicted = np.zeros(RELIABILITY_BINS, dtype=np.float64)
         self.reliability_observed = np.zeros(RELIABILITY_BINS, dtype=np.float64)
@@ -169,22 +180,28 @@ class AcceptanceCalibrator:
         """Forget every outcome (a new stream starts)."""
         self.__init__(prior_strength=self.prior_strength, enabled=self.enabled)
 
-    def restore(self, trials: np.ndarray, accepts: np.ndarray) -> None:
-        """Continue from saved counts (`trials`, `accepts` of another stream's calibrator)."""
+    def restore(self, trials: np.ndarray, accepts: np.ndarray, expected: np.ndarray | None = None) -> None:
+        """Continue from saved counts (`trials`, `accepts`, `expected` of another stream's
+        calibrator; without ``expected``, as files before it: each trial at its cell's prior)."""
         trials = np.asarray(trials, dtype=np.float64)
         accepts = np.asarray(accepts, dtype=np.float64)
         if trials.shape == accepts.shape == (LEGACY_CELLS,):  # recycled counts carry over
             trials = np.concatenate([trials[:_N_RECYCLED], np.zeros(2 * _N_CONTINUATION)])
             accepts = np.concatenate([accepts[:_N_RECYCLED], np.zeros(2 * _N_CONTINUATION)])
+            expected = None  # older layouts were saved without it
         elif trials.shape == accepts.shape == (EVIDENCE_CELLS,):  # + continuation counts, as running
             trials, accepts = (_with_opening_cells(counts) for counts in (trials, accepts))
+            expected = None
         if trials.shape != self.trials.shape or accepts.shape != self.accepts.shape:
             raise ValueError(f"calibration counts for {trials.shape[0]} cells; this RECAP has {self.trials.shape[0]}")
+        expected = trials * self.prior if expected is None else np.asarray(expected, dtype=np.float64)
+        if expected.shape != trials.shape:
+            raise ValueError(f"expected counts for {expected.shape[0]} cells; this RECAP has {trials.shape[0]}")
         self.trials = trials.copy()
         self.accepts = accepts.copy()
+        self.expected = expected.copy()
         if self.enabled:
-            strength = self.prior_strength
-            self._estimate = (self.accepts + strength * self.prior) / (self.trials + strength)
+            self._refresh(slice(None))
 
     # ----------------------------------------------------------------- estimates
     def estimate(self, cells: np.ndarray) -> np.ndarray:
@@ -192,40 +209,49 @@ class AcceptanceCalibrator:
         return self._estimate[cells]
 
     def continuation(self, source: int, match_length: int, offsets: np.ndarray,
-                     opening: bool = False) -> tuple[np.ndarray, np.ndarray]:
-        """(estimates, cells) of a chain's tokens: the smooth prior of each token's evidence,
-        scaled by its cell's observed/prior ratio, at most `CONTINUATION_CAP`; ``opening``:
-        the chain is drafted at the request's first step (see the module doc)."""
+                     opening: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(estimates, cells, priors) of a chain's tokens: the smooth prior of each token's
+        evidence, scaled by its cell's observed/expected ratio, at most `CONTINUATION_CAP`;
+        ``opening``: the chain is drafted at the request's first step (see the module doc)."""
         offsets = np.asarray(offsets, dtype=np.int64)
         cells = continuation_cells(source, match_length, offsets, opening)
         prior = run_prior(evidence(match_length, offsets), offsets > 1, opening)
         if not self.enabled:
-            return prior, cells
-        return np.minimum(prior * (self._estimate[cells] / self.prior[cells]), CONTINUATION_CAP), cells
+            return prior, cells, prior
+        return np.minimum(prior * self._ratio[cells], CONTINUATION_CAP), cells, prior
 
     def recycled(self, q: np.ndarray, depth: np.ndarray) -> np.ndarray:
         """Estimates for recycled nodes; within a cell the prior's q dependence is kept, so
-        nodes of one bin still rank by q (scaled by the cell's observed/prior ratio)."""
+        nodes of one bin still rank by q (scaled by the cell's observed/expected ratio)."""
         q = np.asarray(q, dtype=np.float64)
         prior = recycled_prior(q)
         if not self.enabled:
             return prior
         cells = recycled_cells(q, depth)
-        return np.minimum(prior * (self._estimate[cells] / self.prior[cells]), 0.999)
+        return np.minimum(prior * self._ratio[cells], 0.999)
 
     # ----------------------------------------------------------------- learning
-    def update(self, cells: np.ndarray, accepted: np.ndarray) -> None:
-        """One verification's labels: the cells of nodes whose parent was accepted, and
-        whether each was accepted. A node offered by two sources labels both cells."""
+    def update(self, cells: np.ndarray, accepted: np.ndarray, priors: np.ndarray | None = None) -> None:
+        """One verification's labels: the cells of nodes whose parent was accepted, whether
+        each was accepted and each node's own prior there (None or NaN: the cell's). A node
+        offered by two sources labels both cells."""
         if not self.enabled or not len(cells):
             return
         cells = np.asarray(cells, dtype=np.int64)
-        np.add.at(self.trials, cells, 1.0)
-        np.add.at(self.accepts, cells, np.asarray(accepted, dtype=np.float64))
-        touched = np.unique(cells)
+        own = self.prior[cells] if priors is None else np.asarray(priors, dtype=np.float64)
+        own = np.where(np.isnan(own), self.prior[cells], own)
+        n_cells = len(self.trials)
+        self.trials += np.bincount(cells, minlength=n_cells)
+        self.accepts += np.bincount(cells, np.asarray(accepted, dtype=np.float64), minlength=n_cells)
+        self.expected += np.bincount(cells, own, minlength=n_cells)
+        self._refresh(np.unique(cells))
+
+    def _refresh(self, touched) -> None:
+        """Ratio and estimate of the ``touched`` cells from their counts."""
         strength = self.prior_strength
-        self._estimate[touched] = (self.accepts[touched] + strength * self.prior[touched]) \
-            / (self.trials[touched] + strength)
+        pseudo = strength * self.prior[touched]
+        self._ratio[touched] = (self.accepts[touched] + pseudo) / (self.expected[touched] + pseudo)
+        self._estimate[touched] = self.prior[touched] * self._ratio[touched]
 
     def record(self, predicted: np.ndarray, accepted: np.ndarray) -> None:
         """Add labelled nodes (their final predicted probability, accepted or not) to the

@@ -37,7 +37,7 @@ SOURCES_PER_NODE = 3
 
 # ============================================================================ compiled kernels
 @njit(cache=True)
-def _add_chain(tokens, parents, depths, probs, cells, n, chain, chain_probs, chain_cells):
+def _add_chain(tokens, parents, depths, probs, cells, priors, n, chain, chain_probs, chain_cells, chain_priors):
     """Insert ``chain`` along a root path (arrays have room for it); returns the new count."""
     parent = -1
     fresh = False  # once a node is new, none of the nodes after it exists yet
@@ -57,8 +57,10 @@ def _add_chain(tokens, parents, depths, probs, cells, n, chain, chain_probs, cha
             depths[n] = 1 if parent < 0 else depths[parent] + 1
             probs[n] = chain_probs[j]
             cells[n, 0] = chain_cells[j]
+            priors[n, 0] = chain_priors[j]
             for c in range(1, cells.shape[1]):
                 cells[n, c] = -1
+                priors[n, c] = np.nan
             n += 1
         else:
             if chain_probs[j] > probs[node]:
@@ -66,6 +68,7 @@ def _add_chain(tokens, parents, depths, probs, cells, n, chain, chain_probs, cha
             for c in range(cells.shape[1]):
                 if cells[node, c] < 0:
                     cells[node, c] = chain_cells[j]
+                    priors[node, c] = chain_priors[j]
                     break
         parent = node
     return n
@@ -166,11 +169,13 @@ def _subtree(chosen, tokens, parents, depths, n):
 # ============================================================================ the Python API
 class Candidates:
     """A tree of candidate nodes under construction (parents before children), each with an
-    acceptance estimate and the calibration cells of the sources that proposed it (-1: none)."""
+    acceptance estimate, the calibration cells of the sources that proposed it (-1: none) and
+    each source's prior for the node (NaN: its cell's own; `recap.core.calibration`)."""
 
     def __init__(self, tokens: Sequence[int] | np.ndarray, parents: Sequence[int] | np.ndarray,
                  depths: Sequence[int] | np.ndarray, probs: Sequence[float] | np.ndarray,
-                 cells: Sequence[int] | np.ndarray, room: int = 96):
+                 cells: Sequence[int] | np.ndarray, room: int = 96,
+                 priors: Sequence[float] | np.ndarray | None = None):
         n = len(tokens)
         capacity = n + room
         self.n = n
@@ -179,11 +184,14 @@ class Candidates:
         self._depths = np.empty(capacity, np.int64)
         self._probs = np.empty(capacity, np.float64)
         self._cells = np.full((capacity, SOURCES_PER_NODE), -1, np.int64)
+        self._priors = np.full((capacity, SOURCES_PER_NODE), np.nan, np.float64)
         self._tokens[:n] = tokens
         self._parents[:n] = parents
         self._depths[:n] = depths
         self._probs[:n] = probs
         self._cells[:n, 0] = cells
+        if priors is not None:
+            self._priors[:n, 0] = priors
 
     def __len__(self) -> int:
         return self.n
@@ -213,22 +221,24 @@ class Candidates:
         if self.n + extra <= len(self._tokens):
             return
         capacity = 2 * (self.n + extra)
-        for name in ("_tokens", "_parents", "_depths", "_probs", "_cells"):
+        for name in ("_tokens", "_parents", "_depths", "_probs", "_cells", "_priors"):
             old = getattr(self, name)
-            new = np.full((capacity, *old.shape[1:]), -1, old.dtype)
+            new = np.full((capacity, *old.shape[1:]), np.nan if name == "_priors" else -1, old.dtype)
             new[: self.n] = old[: self.n]
             setattr(self, name, new)
 
     def add_chain(self, chain: Sequence[int] | np.ndarray, probs: Sequence[float] | np.ndarray,
-                  cells: Sequence[int] | np.ndarray) -> None:
+                  cells: Sequence[int] | np.ndarray, priors: Sequence[float] | np.ndarray | None = None) -> None:
         """Insert a continuation along a root path, sharing nodes that exist; a shared node
         keeps the higher of the two estimates and is labelled for both sources."""
         chain = np.asarray(chain, dtype=np.int64)
         if not len(chain):
             return
         self._reserve(len(chain))
-        self.n = _add_chain(self._tokens, self._parents, self._depths, self._probs, self._cells, self.n, chain,
-                            np.asarray(probs, dtype=np.float64), np.asarray(cells, dtype=np.int64))
+        priors = np.full(len(chain), np.nan) if priors is None else np.asarray(priors, dtype=np.float64)
+        self.n = _add_chain(self._tokens, self._parents, self._depths, self._probs, self._cells, self._priors,
+                            self.n, chain, np.asarray(probs, dtype=np.float64), np.asarray(cells, dtype=np.int64),
+                            priors)
 
     def scale(self, factor: float) -> None:
         """Multiply every estimate by ``factor`` (kept below 1)."""
@@ -250,6 +260,8 @@ class ChosenTree:
     """(nodes, 3) calibration cells per drafted node, -1 where a source did not offer it."""
     expected: float = 0.0
     """Expected accepted draft tokens of the tree (sum of path probabilities)."""
+    prior_array: np.ndarray | None = None
+    """(nodes, 3) each source's prior for the node, NaN where not given (its cell's own)."""
 
     @property
     def cells(self) -> list[list[int]]:
@@ -260,6 +272,13 @@ class ChosenTree:
         picked = self.cell_array[labelled]
         present = picked >= 0
         return picked[present], present.sum(axis=1)
+
+    def labelled_priors(self, labelled: np.ndarray) -> np.ndarray:
+        """The priors matching `labelled_cells`' flattened cells (NaN: the cell's own)."""
+        present = self.cell_array[labelled] >= 0
+        if self.prior_array is None:
+            return np.full(int(present.sum()), np.nan)
+        return self.prior_array[labelled][present]
 
 
 def best_size(path_probs_sorted: np.ndarray, cost: CostProfile | None, context_len: int,
@@ -298,7 +317,8 @@ class Ranked:
         chosen = self.order[:size]
         tokens, parents, depths = _subtree(chosen, c._tokens, c._parents, c._depths, c.n)
         tree = DraftTree._trusted(tokens, parents, depths)
-        return tree, ChosenTree(tree, c._probs[chosen], c._cells[chosen], float(self.path[chosen].sum()))
+        return tree, ChosenTree(tree, c._probs[chosen], c._cells[chosen], float(self.path[chosen].sum()),
+                                c._priors[chosen])
 
 
 def rank(candidates: Candidates, cap: int | None = None, max_depth: int | None = None,

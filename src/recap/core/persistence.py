@@ -7,9 +7,12 @@ Format: a safetensors file (no pickle, no code execution on load) with tensors `
 ``calibration_accepts`` (float64, one per calibration cell), each possibly empty; version 3
 adds ``seen_tokens`` / ``seen_requests`` (int64: the request of the stream that last held
 each token in its text, so a bounded memory keeps evicting the least recently seen rows
-after a restart). String metadata: ``format`` = ``recap-token-memory``, ``version``,
-``vocab_size``, ``top_k`` and ``sha256``, a checksum of the tensors' bytes. Confidences are
-recomputed on load. Version 1 (U only) and version 2 files still load.
+after a restart); version 4 adds ``calibration_expected`` (float64, per cell: the sum of its
+labelled nodes' own priors, `recap.core.calibration`). String metadata: ``format`` =
+``recap-token-memory``, ``version``, ``vocab_size``, ``top_k`` and ``sha256``, a checksum of
+the tensors' bytes. Confidences are recomputed on load. Version 1 (U only), 2 and 3 files
+still load (a calibration without ``calibration_expected`` counts each trial at its cell's
+prior).
 
 Saving is atomic and durable: a temporary file in the same folder whose name is unique to the
 writer (process, thread and a random part, so two concurrent saves of one file never share
@@ -34,13 +37,16 @@ from recap.core.fast import FastMemory
 from recap.errors import InputError
 
 FORMAT = "recap-token-memory"
-VERSION = "3"
-READABLE_VERSIONS = ("1", "2", "3")
+VERSION = "4"
+READABLE_VERSIONS = ("1", "2", "3", "4")
 EXTRA_TENSORS = ("store", "calibration_trials", "calibration_accepts")
 """Version 2's tensors beyond U, in checksum order."""
 SEEN_TENSORS = ("seen_tokens", "seen_requests")
 """Version 3's tensors beyond version 2's, in checksum order."""
-_TENSORS = {"1": (), "2": EXTRA_TENSORS, "3": EXTRA_TENSORS + SEEN_TENSORS}
+EXPECTED_TENSORS = ("calibration_expected",)
+"""Version 4's tensor beyond version 3's."""
+_TENSORS = {"1": (), "2": EXTRA_TENSORS, "3": EXTRA_TENSORS + SEEN_TENSORS,
+            "4": EXTRA_TENSORS + SEEN_TENSORS + EXPECTED_TENSORS}
 """Tensors beyond U per readable version."""
 
 
@@ -88,17 +94,18 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[str]:
 
 def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray, probs: np.ndarray, *,
                       vocab_size: int, store: np.ndarray | None = None,
-                      calibration: tuple[np.ndarray, np.ndarray] | None = None,
+                      calibration: tuple[np.ndarray, ...] | None = None,
                       last_seen: tuple[np.ndarray, np.ndarray] | None = None,
                       metadata: dict[str, str] | None = None) -> None:
     """Write U (keys [n], ids [n, K], probs [n, K]), the output store (flat, -1 after each
-    output), the calibration counts (trials, accepts) and the recency of tokens (tokens,
-    requests: the bounded memory's eviction order) atomically and durably. ``metadata``:
+    output), the calibration counts (trials, accepts and optionally expected) and the recency
+    of tokens (tokens, requests: the bounded memory's eviction order) atomically and durably. ``metadata``:
     extra string fields stored with the file's own (which it cannot replace); the scaled
     server keeps a tenant's save version and request count there."""
     from safetensors.numpy import save_file
 
-    trials, accepts = calibration if calibration is not None else (np.zeros(0), np.zeros(0))
+    trials, accepts, expected = (*calibration, np.zeros(0))[:3] if calibration is not None else (np.zeros(0),) * 3
+    expected = np.zeros(0) if expected is None else expected
     seen_tokens, seen_requests = last_seen if last_seen is not None else (np.zeros(0), np.zeros(0))
     tensors = {
         "keys": np.ascontiguousarray(keys, dtype=np.int64),
@@ -109,6 +116,7 @@ def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray
         "calibration_accepts": np.ascontiguousarray(accepts, dtype=np.float64),
         "seen_tokens": np.ascontiguousarray(seen_tokens, dtype=np.int64),
         "seen_requests": np.ascontiguousarray(seen_requests, dtype=np.int64),
+        "calibration_expected": np.ascontiguousarray(expected, dtype=np.float64),
     }
     own = {"format": FORMAT, "version": VERSION, "vocab_size": str(vocab_size),
            "top_k": str(tensors["ids"].shape[1]),
@@ -147,8 +155,9 @@ class TokenMemoryFile:
     probs: np.ndarray
     store: np.ndarray
     """Earlier outputs, each followed by -1 (empty in version 1 files)."""
-    calibration: tuple[np.ndarray, np.ndarray] | None
-    """(trials, accepts) per calibration cell, or None (version 1, or saved without)."""
+    calibration: tuple[np.ndarray, np.ndarray, np.ndarray | None] | None
+    """(trials, accepts, expected) per calibration cell (expected None before version 4), or
+    None (version 1, or saved without)."""
     last_seen: tuple[np.ndarray, np.ndarray] | None = None
     """(tokens, requests): the stream's request that last held each token, or None (versions
     1 and 2: every loaded row then counts as seen before the first request)."""
@@ -191,7 +200,8 @@ def read_token_memory(path: str | os.PathLike) -> TokenMemoryFile:
         raise MemoryFileError(f"memory file {path} is corrupted (checksum mismatch)")
     keys, ids, probs = arrays[:3]
     store = arrays[3] if version != "1" else np.zeros(0, dtype=np.int64)
-    calibration = (arrays[4], arrays[5]) if version != "1" and arrays[4].size else None
+    expected = arrays[8] if version not in ("1", "2", "3") and arrays[8].size else None
+    calibration = (arrays[4], arrays[5], expected) if version != "1" and arrays[4].size else None
     last_seen = (arrays[6], arrays[7]) if version not in ("1", "2") else None
     if (keys.ndim != 1 or ids.shape != probs.shape or ids.ndim != 2 or len(keys) != len(ids)
             or (keys.size and (keys.min() < 0 or keys.max() >= vocab_size))
@@ -201,9 +211,11 @@ def read_token_memory(path: str | os.PathLike) -> TokenMemoryFile:
     if store.ndim != 1 or (store.size and (store.min() < -1 or store.max() >= vocab_size)):
         raise MemoryFileError(f"memory file {path} holds an inconsistent output store")
     if calibration is not None:
-        trials, accepts = calibration
+        trials, accepts, expected = calibration
         if (trials.shape != accepts.shape or trials.ndim != 1 or not np.isfinite(trials).all()
-                or not np.isfinite(accepts).all() or (accepts < 0).any() or (accepts > trials).any()):
+                or not np.isfinite(accepts).all() or (accepts < 0).any() or (accepts > trials).any()
+                or (expected is not None and (expected.shape != trials.shape or not np.isfinite(expected).all()
+                                              or (expected < 0).any() or (expected > trials).any()))):
             raise MemoryFileError(f"memory file {path} holds inconsistent calibration counts")
     if last_seen is not None:
         tokens, requests = last_seen

@@ -12,9 +12,9 @@ Two configurations share this code:
 - ``recap`` (the default, cost-aware): every candidate node gets an estimate of the
   probability that it is accepted once its parent is (`recap.core.calibration`, learned
   online within the stream). Candidates are the recycled tree, the request's suffix
-  continuation (growing with the match length, up to 40 tokens) and a continuation from the
-  stream's earlier outputs (`recap.core.store`), merged into one tree. Ordered by the
-  probability that their whole path is accepted, every prefix is a valid tree; the step
+  continuation (16 tokens per matched token, at most what the request can still use) and a
+  continuation from the stream's earlier outputs (`recap.core.store`), merged into one tree.
+  Ordered by the probability that their whole path is accepted, every prefix is a valid tree; the step
   drafts the prefix that maximises (1 + expected accepted tokens) / predicted verify time
   (`recap.core.chooser`, with the caller's `StepLimits.cost`), N = 0 included.
 
@@ -41,6 +41,7 @@ from recap.core.calibration import (
     AcceptanceCalibrator,
     is_recycled,
     recycled_cells,
+    recycled_prior,
 )
 from recap.core.chooser import Candidates, ChosenSizes, ChosenTree, choose, rank
 from recap.core.fast import FUSION_MODES, PRIORS, FastMemory, context_of
@@ -78,9 +79,15 @@ class RecapConfig:
     calibration: bool = True
     """Learn acceptance probabilities online; False: keep the conservative priors."""
     long_continuation: bool = True
-    """Continuations of clamp(4 x match length, 2, ``max_continuation``) tokens, never
-    longer than the request's remaining tokens can use (the chooser then prices each token
-    by the measured verify cost); False: ``suffix_tokens``."""
+    """Continuations of clamp(``continuation_growth`` x match length, 2,
+    ``max_continuation``) tokens, never longer than the request's remaining tokens can use
+    (the chooser then prices each token by the measured verify cost); False:
+    ``suffix_tokens``."""
+    continuation_growth: float = 16.0
+    """Chain tokens offered per matched token. The offer only bounds what the chooser may
+    take: the estimates decide where the chain stops. SAM's 4 (a hard cap, since SAM drafts
+    all it offers) cut long copies short where a chain had been accepted whole and the
+    calibration trusted more (docs/methods.md, "How far a continuation runs")."""
     max_continuation: int = 256
     """Ceiling of a continuation (host work stays bounded); the remaining budget usually
     binds first."""
@@ -112,6 +119,8 @@ class RecapConfig:
                 raise InputError(f"{name} must be at least 1")
         if self.budget < 0 or self.suffix_tokens < 0 or self.max_continuation < 0:
             raise InputError("budget, suffix_tokens and max_continuation cannot be negative")
+        if not self.continuation_growth > 0:
+            raise InputError(f"continuation_growth must be positive, got {self.continuation_growth!r}")
         if self.seed_prompt not in SEED_PROMPT:
             raise InputError(f"seed_prompt must be one of {', '.join(SEED_PROMPT)}, got {self.seed_prompt!r}")
         if self.store_tokens < 2:
@@ -129,7 +138,7 @@ class RecapConfig:
         request can still use (remaining tokens - 1), None when not known."""
         if not self.long_continuation:
             return self.suffix_tokens if self.suffix_tokens else 0
-        length = max(2, min(self.max_continuation, 4 * match_length))
+        length = max(2, min(self.max_continuation, int(self.continuation_growth * match_length)))
         return length if room is None else max(0, min(length, room))
 
     def depth_prior(self, depth: int) -> float:
@@ -420,23 +429,24 @@ class RecapProposer(BaseProposer):
         self._factor = factor
         if factor != 1.0:
             recycled = np.minimum(recycled * factor, 0.999)
-        candidates = Candidates(tokens, parents, depths, recycled, recycled_cells(q, depths))
+        candidates = Candidates(tokens, parents, depths, recycled, recycled_cells(q, depths),
+                                priors=recycled_prior(q))
         opening = not self._steps  # the match rests on the prompt alone (see `calibration`)
         if self._continues:
             length, end = self.automaton.longest_match()
             if length:
                 size = config.continuation_length(length, room)
                 chain = self._clean(self.automaton.tokens[end + 1 : end + 1 + size])
-                probs, cells = calibrator.continuation(REQUEST, length, np.arange(1, len(chain) + 1), opening)
-                candidates.add_chain(chain, probs, cells)
+                candidates.add_chain(chain, *calibrator.continuation(REQUEST, length, np.arange(1, len(chain) + 1),
+                                                                      opening))
         if config.stream_store and len(self.store):
             match = self._store_match
             match.sync(history)
             if match.length:
                 length, chain = match.continuation(config.continuation_length(match.length, room))
                 chain = self._clean(chain)
-                probs, cells = calibrator.continuation(STORE, length, np.arange(1, len(chain) + 1), opening)
-                candidates.add_chain(chain, probs, cells)
+                candidates.add_chain(chain, *calibrator.continuation(STORE, length, np.arange(1, len(chain) + 1),
+                                                                      opening))
         return candidates
 
     def _clean(self, chain: Sequence[int]) -> list[int]:
@@ -537,7 +547,7 @@ class RecapProposer(BaseProposer):
         self._request_expected += float(chosen.probs[mine].sum()) / self._factor
         self._request_accepted += int(accepted[1:][mine].sum())
         cells, repeats = chosen.labelled_cells(labelled)
-        self.calibrator.update(cells, np.repeat(outcome, repeats))
+        self.calibrator.update(cells, np.repeat(outcome, repeats), chosen.labelled_priors(labelled))
 
     def refresh(self, step: VerifiedTree) -> None:
         """Every evaluated node's row into U, C and G under its own path context."""
@@ -567,7 +577,8 @@ class RecapProposer(BaseProposer):
 
         if self.vocab_size is None or self.memory is None:
             raise InputError("nothing to save yet: the memory's vocabulary is known after the first request")
-        calibration = (self.calibrator.trials, self.calibrator.accepts) if self.config.calibration else None
+        calibrator = self.calibrator
+        calibration = (calibrator.trials, calibrator.accepts, calibrator.expected) if self.config.calibration else None
         seen = np.fromiter(self._last_seen.items(), dtype=np.dtype((np.int64, 2)), count=len(self._last_seen))
         save_token_memory(path, *self.memory.unigram_arrays(), vocab_size=self.vocab_size,
                           store=np.asarray(self.store.flat(), dtype=np.int64), calibration=calibration,
