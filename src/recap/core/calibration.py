@@ -201,7 +201,7 @@ class AcceptanceCalibrator:
         self.accepts = accepts.copy()
         self.expected = expected.copy()
         if self.enabled:
-            self._refresh(slice(None))
+            self._refresh()
 
     # ----------------------------------------------------------------- estimates
     def estimate(self, cells: np.ndarray) -> np.ndarray:
@@ -244,14 +244,14 @@ class AcceptanceCalibrator:
         self.trials += np.bincount(cells, minlength=n_cells)
         self.accepts += np.bincount(cells, np.asarray(accepted, dtype=np.float64), minlength=n_cells)
         self.expected += np.bincount(cells, own, minlength=n_cells)
-        self._refresh(np.unique(cells))
+        self._refresh()
 
-    def _refresh(self, touched) -> None:
-        """Ratio and estimate of the ``touched`` cells from their counts."""
-        strength = self.prior_strength
-        pseudo = strength * self.prior[touched]
-        self._ratio[touched] = (self.accepts[touched] + pseudo) / (self.expected[touched] + pseudo)
-        self._estimate[touched] = self.prior[touched] * self._ratio[touched]
+    def _refresh(self) -> None:
+        """Every cell's ratio and estimate from its counts (a few hundred cells: whole-array
+        arithmetic is cheaper than picking the touched ones)."""
+        pseudo = self.prior_strength * self.prior
+        np.divide(self.accepts + pseudo, self.expected + pseudo, out=self._ratio)
+        np.multiply(self.prior, self._ratio, out=self._estimate)
 
     def record(self, predicted: np.ndarray, accepted: np.ndarray) -> None:
         """Add labelled nodes (their final predicted probability, accepted or not) to the
