@@ -211,7 +211,7 @@ def test_add_chain_shares_nodes_keeps_the_max_and_both_cells():
     assert sorted(_paths(tree)) == sorted(_candidate_paths(candidates))
     # labelled_cells flattens the cells of labelled nodes and says how many each had.
     labelled = np.ones(len(tree), dtype=bool)
-    flat, repeats = chosen.labelled_cells(labelled)
+    flat, repeats, _ = chosen.labelled_cells(labelled)
     assert repeats.sum() == len(flat) == sum(len(c) for c in candidates.cells)
 
 

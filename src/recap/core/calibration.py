@@ -169,7 +169,6 @@ class AcceptanceCalibrator:
         phases = [np.stack([run_prior(lowest, False, opening), run_prior(lowest, True, opening)], axis=1).reshape(-1)
                   for opening in (False, True)]
         self.prior[_N_RECYCLED:] = np.tile(np.concatenate(phases), 2)  # both sources
-        self._estimate = self.prior.copy()
         self._ratio = np.ones(n_cells, dtype=np.float64)
         """Per cell, observed / expected acceptance (smoothed): what scales a node's own prior."""
         self.reliability_counts = np.zeros(RELIABILITY_BINS, dtype=np.float64)
@@ -206,7 +205,7 @@ class AcceptanceCalibrator:
     # ----------------------------------------------------------------- estimates
     def estimate(self, cells: np.ndarray) -> np.ndarray:
         """P(accepted | parent accepted) for nodes in ``cells``."""
-        return self._estimate[cells]
+        return self.prior[cells] * self._ratio[cells]
 
     def continuation(self, source: int, match_length: int, offsets: np.ndarray,
                      opening: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -238,8 +237,10 @@ class AcceptanceCalibrator:
         if not self.enabled or not len(cells):
             return
         cells = np.asarray(cells, dtype=np.int64)
-        own = self.prior[cells] if priors is None else np.asarray(priors, dtype=np.float64)
-        own = np.where(np.isnan(own), self.prior[cells], own)
+        own = self.prior[cells]
+        if priors is not None:
+            priors = np.asarray(priors, dtype=np.float64)
+            own = np.where(np.isnan(priors), own, priors)
         n_cells = len(self.trials)
         self.trials += np.bincount(cells, minlength=n_cells)
         self.accepts += np.bincount(cells, np.asarray(accepted, dtype=np.float64), minlength=n_cells)
@@ -247,11 +248,10 @@ class AcceptanceCalibrator:
         self._refresh()
 
     def _refresh(self) -> None:
-        """Every cell's ratio and estimate from its counts (a few hundred cells: whole-array
-        arithmetic is cheaper than picking the touched ones)."""
+        """Every cell's ratio from its counts (a few hundred cells: whole-array arithmetic is
+        cheaper than picking the touched ones)."""
         pseudo = self.prior_strength * self.prior
         np.divide(self.accepts + pseudo, self.expected + pseudo, out=self._ratio)
-        np.multiply(self.prior, self._ratio, out=self._estimate)
 
     def record(self, predicted: np.ndarray, accepted: np.ndarray) -> None:
         """Add labelled nodes (their final predicted probability, accepted or not) to the

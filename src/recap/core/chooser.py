@@ -267,18 +267,13 @@ class ChosenTree:
     def cells(self) -> list[list[int]]:
         return [[c for c in row if c >= 0] for row in self.cell_array.tolist()]
 
-    def labelled_cells(self, labelled: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The cells of the labelled nodes, flattened, and how many cells each node has."""
+    def labelled_cells(self, labelled: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The cells of the labelled nodes, flattened, how many cells each node has, and each
+        flattened cell's prior for its node (NaN: the cell's own)."""
         picked = self.cell_array[labelled]
         present = picked >= 0
-        return picked[present], present.sum(axis=1)
-
-    def labelled_priors(self, labelled: np.ndarray) -> np.ndarray:
-        """The priors matching `labelled_cells`' flattened cells (NaN: the cell's own)."""
-        present = self.cell_array[labelled] >= 0
-        if self.prior_array is None:
-            return np.full(int(present.sum()), np.nan)
-        return self.prior_array[labelled][present]
+        priors = np.full(picked.shape, np.nan) if self.prior_array is None else self.prior_array[labelled]
+        return picked[present], present.sum(axis=1), priors[present]
 
 
 def best_size(path_probs_sorted: np.ndarray, cost: CostProfile | None, context_len: int,

@@ -546,8 +546,8 @@ class RecapProposer(BaseProposer):
         mine = labelled & only_recycled
         self._request_expected += float(chosen.probs[mine].sum()) / self._factor
         self._request_accepted += int(accepted[1:][mine].sum())
-        cells, repeats = chosen.labelled_cells(labelled)
-        self.calibrator.update(cells, np.repeat(outcome, repeats), chosen.labelled_priors(labelled))
+        cells, repeats, priors = chosen.labelled_cells(labelled)
+        self.calibrator.update(cells, np.repeat(outcome, repeats), priors)
 
     def refresh(self, step: VerifiedTree) -> None:
         """Every evaluated node's row into U, C and G under its own path context."""
