@@ -5,6 +5,7 @@ transformers path and on the fast kernels (`recap.target.kernels`).
 
     python benchmarks/step_profile.py --model smollm2-135m --threads 1
     python benchmarks/step_profile.py --model recap-demo-vlm --threads 1 --json out.json
+    python benchmarks/step_profile.py --model smollm2-135m --dtype bfloat16
 
 Method: a synthetic prompt of --context tokens, then for each N a random tree of N - 1
 nodes verified and committed (root only) --repeats times after a warm-up, in the target's
@@ -173,16 +174,17 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--sizes", default="1,2,4,8,16")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     sizes = [int(s) for s in args.sizes.split(",")]
-    target = recap.load(args.model)
+    target = recap.load(args.model, dtype=args.dtype)
     results = {}
     for kernels in ("stock", "fast"):
         target.use_kernels(kernels)
         results[kernels] = profile(target, sizes, args.context, args.repeats)
-    print(f"# step profile: {args.model}, float32, {torch.get_num_threads()} thread(s), {args.context} cached tokens, "
-          f"median of {args.repeats} (ms)\n")
+    print(f"# step profile: {args.model}, {args.dtype}, {torch.get_num_threads()} thread(s), "
+          f"{args.context} cached tokens, median of {args.repeats} (ms)\n")
     header = ["kernels", "N", *CATEGORIES, "total"]
     print("| " + " | ".join(header) + " |")
     print("|" + " --- |" * len(header))
@@ -191,8 +193,9 @@ def main() -> int:
             print("| " + " | ".join([kernels, str(n), *(f"{spent.get(c, 0.0):.1f}" for c in CATEGORIES),
                                      f"**{spent['total']:.1f}**"]) + " |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "threads": torch.get_num_threads(),
-                                               "context": args.context, "results": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"model": args.model, "dtype": args.dtype,
+                                               "threads": torch.get_num_threads(), "context": args.context,
+                                               "results": results}, indent=1))
     return 0
 
 

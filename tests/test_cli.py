@@ -4,6 +4,7 @@ import json
 
 from PIL import Image
 
+import recap
 from recap.cli import main
 from recap.demo import DEMO_SCENES
 
@@ -32,11 +33,30 @@ def test_check_prints_the_final_tally(capsys):
     assert out[-1] == "4 passed, 0 failed"
 
 
-def test_check_in_bfloat16_reports_agreement(capsys):
+def test_check_in_bfloat16_on_stock_kernels_reports_agreement(capsys):
+    assert main(["check", "--model", "tiny-llama", "--method", "decoy", "--prompts", "3", "--max-new-tokens", "12",
+                 "--dtype", "bfloat16", "--kernels", "stock"]) == 0
+    out = capsys.readouterr().out
+    assert "agreement rate" in out and "of tokens" in out
+
+
+def test_check_in_bfloat16_on_fast_kernels_is_exact(capsys, monkeypatch):
+    """The fast kernels are batch-invariant in any weight dtype, so a bfloat16 check there is
+    an exactness check: a reference one token off (negative control) fails it."""
     assert main(["check", "--model", "tiny-llama", "--method", "decoy", "--prompts", "3", "--max-new-tokens", "12",
                  "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
-    assert "agreement rate" in out and "of tokens" in out
+    assert "agreement rate" not in out and out.strip().splitlines()[-1] == "3 passed, 0 failed"
+    real = recap.TargetModel.reference_generate
+
+    def one_off(self, inputs, max_new_tokens, eos_token_ids=None):
+        tokens = real(self, inputs, max_new_tokens, eos_token_ids)
+        return tokens[:-1] + [tokens[-1] + 1]
+
+    monkeypatch.setattr(recap.TargetModel, "reference_generate", one_off)
+    assert main(["check", "--model", "tiny-llama", "--method", "decoy", "--prompts", "1", "--max-new-tokens", "8",
+                 "--dtype", "bfloat16"]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
 
 
 def test_overhead_json_has_the_per_iteration_total(capsys):

@@ -17,7 +17,8 @@ from recap.errors import InputError
 from recap.target.kernels import linear as kernel_linear
 from recap.target.kernels import ops, unsupported
 from recap.target.kernels.exp import exp32
-from recap.target.kernels.linear import FLOAT16_TABLE, Linear, padded_rows
+from recap.target.kernels.linear import Linear, padded_rows
+from recap.target.kernels.widen import storage, widen
 from recap.target.profile import profile_key
 from tests.conftest import TINY_MODELS, load_target
 
@@ -62,6 +63,15 @@ def test_packed_verify_is_bit_identical_to_plain_steps(name, size):
     tree = _random_tree(np.random.default_rng(0), size, 1000)
     assert tree.max_depth >= 3
     assert mismatched_nodes(target, tree) == 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_packed_verify_is_bit_identical_with_16_bit_weights(dtype):
+    """Weights read as stored and widened in registers: the tree's nodes still get their
+    plain steps' bits (a Qwen2 decoder: q/k/v biases, M-RoPE)."""
+    target = load_target("tiny-qwen2.5-vl", dtype)
+    assert target.kernels == "fast" and target._fast.head.weight.dtype != np.float32
+    assert mismatched_nodes(target, _random_tree(np.random.default_rng(4), 14, 1000)) == 0
 
 
 @pytest.mark.slow
@@ -184,6 +194,7 @@ def test_linear_rows_do_not_depend_on_their_neighbours(rows, out_features, in_fe
     out = layer(x, np.zeros((len(x), out_features), np.float32), rows)
     assert layer.two_rows == (weight_rows == 4 and out_features % 8 == 0)  # the machine check passes here
     assert layer.one_row == (layer.two_rows and out_features % 16 == 0)    # and so does the 16x1 block's
+    assert layer.few_rows == (weight_rows == 3 and dtype != "float32")     # and the 12x1 / 6x2 kernel's
     assert layer.remainders == (weight_rows == 3)                          # and the 12x1 / 6x2 blocks'
     for row in range(rows):
         single = np.zeros((4, in_features), np.float32)
@@ -224,12 +235,43 @@ def test_both_blocks_give_the_same_bits_here():
         Linear(weight, bias, weight_rows=2)
 
 
-def test_float16_table_is_exact():
+@njit(cache=True)
+def _widen_all(stored, out):  # pragma: no cover - compiled
+    for i in range(stored.shape[0]):  # vectorised like the kernels' inner loops
+        out[i] = widen(stored[i])
+
+
+@pytest.mark.parametrize("float16", [False, True])
+def test_widening_is_exact_for_every_16_bit_pattern(float16):
     patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
-    finite = np.isfinite(patterns.view(np.float16))
-    assert np.array_equal(FLOAT16_TABLE[finite], patterns.view(np.float16)[finite].astype(np.float32))
+    out = np.zeros(1 << 16, np.float32)
+    _widen_all(storage(patterns, float16=float16), out)
+    expected = patterns.view(np.float16).astype(np.float32) if float16 else (patterns.astype(np.uint32) << 16).view(
+        np.float32)
+    nan = np.isnan(expected)
+    assert nan.sum() == (2046 if float16 else 254) and np.isnan(out[nan]).all()
+    assert out[~nan].tobytes() == expected[~nan].tobytes()  # infinities, signed zeros and subnormals too
+    with pytest.raises(ValueError, match="16-bit"):
+        storage(np.zeros(4, np.float64))
     assert kernel_linear.ROW_BLOCK == 4 and padded_rows(1) == 1 and padded_rows(2) == 2 and padded_rows(5) == 8
     assert padded_rows(3) == 4
+
+
+@pytest.mark.parametrize("weight_rows", [3, 4])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_weights_give_the_bits_of_their_float32_widening(dtype, weight_rows):
+    """Widening in registers is exact: a layer reading 16-bit weights as stored gives, for
+    every row count, the bits of the same layer on the weights widened to float32."""
+    rng = np.random.default_rng(7)
+    weight = torch.from_numpy(rng.standard_normal((52, 96), dtype=np.float32)).to(getattr(torch, dtype))
+    bias = rng.standard_normal(52).astype(np.float32)
+    stored = Linear(weight.view(torch.int16).numpy().view(np.uint16), bias, float16=dtype == "float16",
+                    weight_rows=weight_rows)
+    wide = Linear(weight.float().numpy(), bias, weight_rows=weight_rows)
+    x = rng.standard_normal((12, 96), dtype=np.float32)
+    for rows in (1, 2, 3, 4, 5, 6, 9, 12):
+        got = stored(x, np.zeros((12, 52), np.float32), rows)[:rows]
+        assert got.tobytes() == wide(x, np.zeros((12, 52), np.float32), rows)[:rows].tobytes(), rows
 
 
 def test_a_layer_refuses_buffers_shorter_than_the_rows_it_computes():
@@ -251,7 +293,7 @@ def test_a_two_row_block_with_other_arithmetic_is_refused(monkeypatch):
 
     check = kernel_linear.small_rows_exact.__wrapped__
     assert check(96, "float32") and check(96, "bfloat16") and check(37, "float16")
-    monkeypatch.setattr(kernel_linear, "linear2_f32", float64_block)
+    monkeypatch.setattr(kernel_linear, "linear8x2", float64_block)
     monkeypatch.setattr(kernel_linear, "small_rows_exact", check)
     assert not check(96, "float32")
     layer = Linear(np.ones((16, 96), np.float32), None)
@@ -262,11 +304,37 @@ def test_a_two_row_block_with_other_arithmetic_is_refused(monkeypatch):
     assert np.array_equal(out[:2], np.full((2, 16), 96, np.float32))
 
 
+def test_a_few_rows_kernel_with_other_arithmetic_is_refused(monkeypatch):
+    """The machine check of the 12x1 / 6x2 kernel for 1-2-row steps (3x4 path, 16-bit
+    weights) must fail for one whose 2-row steps sum in another order (float64, then
+    rounded); such a layer then computes 1- and 2-row steps as 4 rows of the 3x4 block."""
+    real = kernel_linear.linear3x4_few
+
+    def float64_pairs(x, w, bias, out, rows):
+        real(x, w, bias, out, rows)
+        if rows == 2:
+            wide = (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+            out[:2] = (x[:2].astype(np.float64) @ wide.T + bias).astype(np.float32)
+
+    check = kernel_linear.few_rows_exact.__wrapped__
+    assert check(96, "bfloat16") and check(37, "float16")
+    monkeypatch.setattr(kernel_linear, "linear3x4_few", float64_pairs)
+    monkeypatch.setattr(kernel_linear, "few_rows_exact", check)
+    assert not check(96, "bfloat16")
+    rng = np.random.default_rng(6)
+    weight = (rng.standard_normal((60, 96), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
+    layer = Linear(weight, None, weight_rows=3)
+    assert not layer.few_rows and layer.computed_rows(1) == 4
+    x = rng.standard_normal((4, 96), dtype=np.float32)
+    two, four = (layer(x, np.zeros((4, 60), np.float32), rows) for rows in (2, 4))
+    assert np.array_equal(two[:2], four[:2])
+
+
 def test_a_remainder_block_with_other_arithmetic_is_refused(monkeypatch):
     """The machine check of the 12x1 / 6x2 blocks must fail for remainder rows summed in
     another order (float64, then rounded), and such a layer then pads every step to a
     multiple of 4 rows, computed on the 3x4 block alone."""
-    real = kernel_linear.linear3_f32
+    real = kernel_linear.linear3x4
 
     def float64_remainders(x, w, bias, out, rows, remainders):
         real(x, w, bias, out, rows, remainders)
@@ -276,7 +344,7 @@ def test_a_remainder_block_with_other_arithmetic_is_refused(monkeypatch):
 
     check = kernel_linear.remainder_rows_exact.__wrapped__
     assert check(96, "float32") and check(37, "float32")
-    monkeypatch.setattr(kernel_linear, "linear3_f32", float64_remainders)
+    monkeypatch.setattr(kernel_linear, "linear3x4", float64_remainders)
     monkeypatch.setattr(kernel_linear, "remainder_rows_exact", check)
     assert not check(96, "float32")
     rng = np.random.default_rng(5)

@@ -19,6 +19,15 @@ from recap.proposers import Proposer, make_proposer
 from recap.target import TargetModel
 
 
+def claims_exact(dtype: str, kernels: str) -> bool:
+    """Whether a method's output must equal the reference token for token. On the fast
+    kernels always: every kernel is batch-invariant, so a verify's logits are a plain step's
+    bits in any weight dtype. On stock kernels in float32 only: bfloat16 / float16 forwards of
+    several tokens round otherwise than one-token ones, so near-ties may flip (an agreement
+    rate, never called exact)."""
+    return kernels == "fast" or dtype == "float32"
+
+
 @dataclass(frozen=True)
 class CheckCase:
     index: int

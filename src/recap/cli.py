@@ -293,7 +293,7 @@ def _overhead(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from recap.check import run_check
+    from recap.check import claims_exact, run_check
     from recap.models import load
 
     proposer = _make_method(args)
@@ -303,7 +303,7 @@ def _check(args: argparse.Namespace) -> int:
     _note_text_only(args, target)
     if sampling is not None:
         return _check_sampling(args, target, proposer, sampling)
-    exact = args.dtype == "float32"
+    exact = claims_exact(args.dtype, target.kernels)
     with Progress(transient=True) as progress:
         task = progress.add_task(f"{args.method} vs generate", total=args.prompts)
 
@@ -389,6 +389,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     from recap.bench import BenchConfig, run_bench
     from recap.bench.report import load_run, write_outputs
+    from recap.check import claims_exact
 
     console = Console(stderr=True)
     if args.report_only:
@@ -426,7 +427,7 @@ def _bench(args: argparse.Namespace) -> int:
     if summary["mismatches"]:
         console.print(f"[bold red]MISMATCH[/]: {summary['mismatches']} output(s) differ from AR; see "
                       f"{args.out}/report.md")
-        return 1 if args.dtype == "float32" else 0
+        return 1 if claims_exact(args.dtype, summary["run"].get("kernels", "stock")) else 0
     return 0
 
 

@@ -21,6 +21,7 @@ from recap.bench.dominance import markdown_section as dominance_section
 from recap.bench.metrics import REFERENCE, STOCK_REFERENCE, summarise_method
 from recap.bench.results import RESULTS, write_json_atomic
 from recap.bench.runner import ROTATION, WARMUP, latest_rows
+from recap.check import claims_exact
 
 SCHEMA = "recap-bench/1"
 STREAM_POLICY = ("fresh proposer per method and topic (persistent memories such as RECAP's U and Token Recycling's "
@@ -131,12 +132,12 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
     methods = summary["methods"]
     drafters = [label for label in methods if label != REFERENCE]
     topics = list(summary["topics"])
-    exact = run.get("dtype") == "float32"
+    exact = claims_exact(str(run.get("dtype")), str(run.get("kernels", "stock")))
     lines = [f"# recap bench: {run.get('model')}, {run.get('dtype')}, {run.get('kernels', 'stock')} kernels, "
              f"{run.get('threads_pinned')} thread(s)", ""]
     if summary["mismatches"]:
         lines += [f"> **MISMATCH: {summary['mismatches']} output(s) differ from AR.**"
-                  + (" In float32 this breaks losslessness: treat it as a bug." if exact else
+                  + (" This breaks losslessness: treat it as a bug." if exact else
                      f" In {run.get('dtype')} multi-token forwards round differently from one-token forwards, so "
                      "near-ties can flip; these are counted, not claimed exact."), ">"]
         for label in drafters:

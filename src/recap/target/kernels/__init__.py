@@ -22,11 +22,11 @@ from recap.target.kernels.args import DecoderArgs, unsupported
 from recap.target.kernels.cache import KVCache
 from recap.target.kernels.decoder import FastDecoder
 
-KERNELS_REVISION = 6
+KERNELS_REVISION = 7
 """Bumped when the fast kernels' speed or arithmetic changes (2: the 2-row block, `exp32`; 3:
 the 3x4 block on 16-register CPUs; 4: the 16x1 block for 1-row steps on AVX-512; 5: quad
-attention; 6: the 12x1 / 6x2 remainder blocks), so a cost profile measured on older kernels is measured again
-(`recap.target.profile`)."""
+attention; 6: the 12x1 / 6x2 remainder blocks; 7: 16-bit weights widened in registers), so a
+cost profile measured on older kernels is measured again (`recap.target.profile`)."""
 
 KERNELS = ("auto", "fast", "stock")
 """``auto``: ``fast`` on CPU where the architecture is supported, ``stock`` elsewhere."""
