@@ -45,8 +45,10 @@ Why our own: stock ``F.linear`` on CPU picks its blocking from the batch size, s
   cache: on a Zen 3 core SmolLM2's layers take 15% less at 5 rows than padded to 8, and
   10-12% less at 9-10 rows than padded to 12. `remainder_rows_exact` checks the bits on the machine, as for the
   2-row block; a step of 4k + 3 rows is padded (a 4x3 block was slower than the padding).
-  Below 5 rows the step streams its weights from DRAM anyway, and a 1- or 2-row step is
-  computed as 4.
+  Below 5 rows a float32 step streams its weights from DRAM anyway, and a 1- or 2-row step
+  is computed as 4. With 16-bit weights the stream costs half, so there a 1- or 2-row step
+  runs the 12x1 / 6x2 block over weight rows spread across the matrix (`linear3x4_few`: 12
+  sequential streams, no padding rows; `few_rows_exact` checks its bits on the machine).
 
 Threads: the output columns are split across numba's threads (``prange``), each column's
 arithmetic unchanged, so the result does not depend on the thread count either.
