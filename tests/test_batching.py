@@ -84,8 +84,8 @@ def _batched_logits(target, cases, trees) -> list[np.ndarray]:
 
 @pytest.mark.parametrize(("name", "dtype"), [(name, "float32") for name in TINY_MODELS] + [("tiny-llama", "bfloat16")])
 def test_a_batched_verify_gives_each_request_its_logits_bit_for_bit(name, dtype):
-    """bfloat16 too: the 1-row request alone runs the 16-bit few-rows block, in the batch the
-    3x4 block (on a 16-register CPU)."""
+    """bfloat16 too. The 1-row request alone runs the spread 6x2 block, in the batch the 3x4
+    block (on a 16-register CPU)."""
     target = load_target(name, dtype)
     cases = _cases(target, 3)
     trees = [_tree(0, 9), DraftTree.empty(), _tree(1, 17)]

@@ -194,7 +194,7 @@ def test_linear_rows_do_not_depend_on_their_neighbours(rows, out_features, in_fe
     out = layer(x, np.zeros((len(x), out_features), np.float32), rows)
     assert layer.two_rows == (weight_rows == 4 and out_features % 8 == 0)  # the machine check passes here
     assert layer.one_row == (layer.two_rows and out_features % 16 == 0)    # and so does the 16x1 block's
-    assert layer.few_rows == (weight_rows == 3 and dtype != "float32")     # and the 12x1 / 6x2 kernel's
+    assert layer.few_rows == (weight_rows == 3)                            # and the spread 6x2 kernel's
     assert layer.remainders == (weight_rows == 3)                          # and the 12x1 / 6x2 blocks'
     for row in range(rows):
         single = np.zeros((4, in_features), np.float32)
@@ -305,19 +305,18 @@ def test_a_two_row_block_with_other_arithmetic_is_refused(monkeypatch):
 
 
 def test_a_few_rows_kernel_with_other_arithmetic_is_refused(monkeypatch):
-    """The machine check of the 12x1 / 6x2 kernel for 1-2-row steps (3x4 path, 16-bit
-    weights) must fail for one whose 2-row steps sum in another order (float64, then
-    rounded); such a layer then computes 1- and 2-row steps as 4 rows of the 3x4 block."""
+    """The machine check of the spread 6x2 kernel for 1-2-row steps (3x4 path) must fail for
+    one whose second row sums in another order (float64, then rounded); such a layer then
+    computes 1- and 2-row steps as 4 rows of the 3x4 block."""
     real = kernel_linear.linear3x4_few
 
-    def float64_pairs(x, w, bias, out, rows):
-        real(x, w, bias, out, rows)
-        if rows == 2:
-            wide = (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-            out[:2] = (x[:2].astype(np.float64) @ wide.T + bias).astype(np.float32)
+    def float64_pairs(x, w, bias, out):
+        real(x, w, bias, out)
+        wide = (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        out[1] = (x[1].astype(np.float64) @ wide.T + bias).astype(np.float32)
 
     check = kernel_linear.few_rows_exact.__wrapped__
-    assert check(96, "bfloat16") and check(37, "float16")
+    assert check(96, "float32") and check(96, "bfloat16") and check(37, "float16")
     monkeypatch.setattr(kernel_linear, "linear3x4_few", float64_pairs)
     monkeypatch.setattr(kernel_linear, "few_rows_exact", check)
     assert not check(96, "bfloat16")

@@ -45,10 +45,9 @@ Why our own: stock ``F.linear`` on CPU picks its blocking from the batch size, s
   cache: on a Zen 3 core SmolLM2's layers take 15% less at 5 rows than padded to 8, and
   10-12% less at 9-10 rows than padded to 12. `remainder_rows_exact` checks the bits on the machine, as for the
   2-row block; a step of 4k + 3 rows is padded (a 4x3 block was slower than the padding).
-  Below 5 rows a float32 step streams its weights from DRAM anyway, and a 1- or 2-row step
-  is computed as 4. With 16-bit weights the stream costs half, so there a 1- or 2-row step
-  runs the 12x1 / 6x2 block over weight rows spread across the matrix (`linear3x4_few`: 12
-  sequential streams, no padding rows; `few_rows_exact` checks its bits on the machine).
+  A 1- or 2-row step would pay for 4 rows of arithmetic on the 3x4 block, so it runs the
+  6x2 block over weight rows spread across the matrix instead (`linear3x4_few`: six sequential streams, at most one
+  padding row; `few_rows_exact` checks its bits on the machine).
 
 Threads: the output columns are split across numba's threads (``prange``), each column's
 arithmetic unchanged, so the result does not depend on the thread count either.
@@ -593,22 +592,18 @@ def linear3x4(x, w, bias, out, rows, remainders):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
-def linear3x4_few(x, w, bias, out, rows):  # pragma: no cover - compiled
-    """`linear3x4` for steps of 1 or 2 rows with 16-bit weights, without padding rows: the
-    12x1 block (weight rows q + i N/12 + j N/3, i < 4, j < 3) or the 6x2 block (q + i N/6 +
-    j N/3, i < 2), as many sequential streams. The groups past the last whole block run the
-    3x4 block, so x: (>= 4, K) and out: (>= 4, N)."""
+def linear3x4_few(x, w, bias, out):  # pragma: no cover - compiled
+    """`linear3x4` for steps of 1 or 2 rows, without the 4-row block's padding: rows 0 and 1
+    on the 6x2 block over weight rows q + i N/6 + j N/3 (i < 2, j < 3), six sequential
+    streams. The groups past the last whole block run the 3x4 block, so x: (>= 4, K) and
+    out: (>= 4, N)."""
     third = w.shape[0] // 3
-    width = 4 if rows == 1 else 2
-    part = third // width
-    tasks = -(-part // CHUNK)
+    half = third // 2
+    tasks = -(-half // CHUNK)
     for task in prange(tasks):
-        for q in range(task * CHUNK, min(part, (task + 1) * CHUNK)):
-            if rows == 1:
-                _block12x1(x, 0, w, q, part, third, out, bias)
-            else:
-                _block6x2(x, 0, w, q, part, third, out, bias)
-    for q in range(width * part, third):
+        for q in range(task * CHUNK, min(half, (task + 1) * CHUNK)):
+            _block6x2(x, 0, w, q, half, third, out, bias)
+    for q in range(2 * half, third):
         _block3(x, 0, w[q], w[q + third], w[q + 2 * third], out, q, q + third, q + 2 * third, bias)
     for n in range(third * 3, w.shape[0]):
         _block1(x, 0, w[n], out, n, bias)
@@ -638,11 +633,9 @@ class Linear:
         self.one_row = (self.two_rows and self.out_features % ONE_COL_BLOCK == 0
                         and one_row_exact(self.in_features, kind))
         """Whether 1-row steps may use the 16x1 block (else they run as 2 rows)."""
-        self.few_rows = (self.weight_rows == 3 and kind != "float32"
-                         and few_rows_exact(self.in_features, kind))
-        """Whether 1- and 2-row steps with 16-bit weights may use the 12x1 / 6x2 blocks (3x4
-        path; else they run as 4 rows). float32 ones cost the same either way on the Zen 3
-        core measured (the weight stream bounds them), so they keep the 3x4 block."""
+        self.few_rows = self.weight_rows == 3 and few_rows_exact(self.in_features, kind)
+        """Whether 1- and 2-row steps may use the 6x2 block (`linear3x4_few`; 3x4 path, else
+        they run as 4 rows)."""
         self.remainders = self.weight_rows == 3 and remainder_rows_exact(self.in_features, kind)
         """Whether the last 1 or 2 rows of a step past 4 rows may use the 12x1 / 6x2 block (3x4
         block only; else the step is padded to a multiple of 4 rows)."""
@@ -657,7 +650,7 @@ class Linear:
         if rows == 1 and self.one_row:
             linear16x1(x, self.weight, self.bias, out)
         elif rows <= SMALL_ROWS and self.few_rows:
-            linear3x4_few(x, self.weight, self.bias, out, rows)
+            linear3x4_few(x, self.weight, self.bias, out)
         elif rows <= SMALL_ROWS and self.two_rows:
             linear8x2(x, self.weight, self.bias, out)
         elif self.weight_rows == 3:
@@ -712,20 +705,16 @@ def one_row_exact(in_features: int, kind: str = "float32") -> bool:
 
 
 @functools.cache
-def few_rows_exact(in_features: int, kind: str = "bfloat16") -> bool:
-    """Whether `linear3x4_few` gives, bit for bit, the rows of a 4-row step on the 3x4 block
-    for steps of 1 and 2 rows (see `small_rows_exact`), over two parallel tasks of 12x1
-    blocks, leftover groups and a last column."""
-    columns = 3 * (4 * (CHUNK + 1) + 1) + 1
+def few_rows_exact(in_features: int, kind: str = "float32") -> bool:
+    """Whether `linear3x4_few` gives, bit for bit, rows 0 and 1 of a 4-row step on the 3x4
+    block (see `small_rows_exact`), over two parallel tasks of 6x2 blocks, a leftover group
+    and a last column."""
+    columns = 3 * (2 * (CHUNK + 1) + 1) + 1
     stored, bias, x = _sample(in_features, columns, kind)
-    four = np.zeros((ROW_BLOCK, columns), np.float32)
+    four, few = np.zeros((ROW_BLOCK, columns), np.float32), np.zeros((ROW_BLOCK, columns), np.float32)
     linear3x4(x, stored, bias, four, ROW_BLOCK, False)
-    for rows in (1, 2):
-        few = np.zeros((ROW_BLOCK, columns), np.float32)
-        linear3x4_few(x, stored, bias, few, rows)
-        if few[:rows].tobytes() != four[:rows].tobytes():
-            return False
-    return True
+    linear3x4_few(x, stored, bias, few)
+    return few[:SMALL_ROWS].tobytes() == four[:SMALL_ROWS].tobytes()
 
 
 @functools.cache
