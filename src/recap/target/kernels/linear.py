@@ -46,8 +46,9 @@ Why our own: stock ``F.linear`` on CPU picks its blocking from the batch size, s
   10-12% less at 9-10 rows than padded to 12. `remainder_rows_exact` checks the bits on the machine, as for the
   2-row block; a step of 4k + 3 rows is padded (a 4x3 block was slower than the padding).
   A 1- or 2-row step would pay for 4 rows of arithmetic on the 3x4 block, so it runs the
-  6x2 block over weight rows spread across the matrix instead (`linear3x4_few`: six sequential streams, at most one
-  padding row; `few_rows_exact` checks its bits on the machine).
+  6x2 block over weight rows spread across the matrix instead (`linear3x4_few`: six
+  sequential streams, at most one padding row; `few_rows_exact` checks its bits on the
+  machine).
 
 Threads: the output columns are split across numba's threads (``prange``), each column's
 arithmetic unchanged, so the result does not depend on the thread count either.
@@ -392,7 +393,7 @@ def _block16x1(x0, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
 def _block12x1(x, m0, w, c0, ci, cj, out, bias):  # pragma: no cover - compiled
     # Token row m0 of x: (Mp, K) f32 against weight rows n = c0 + i * ci + j * cj (i < 4,
     # j < 3) of w: (N, K) into output columns n of out: (Mp, N) f32; bias: (N,) f32 or (0,).
-    # The 3x4 block's dot product with 12 accumulators (`remainder_rows_exact`, `one_row_exact`).
+    # The 3x4 block's dot product with 12 accumulators (`remainder_rows_exact`).
     x0 = x[m0]
     c1, c2 = c0 + cj, c0 + 2 * cj
     n0, n1, n2, n3 = c0, c0 + ci, c0 + 2 * ci, c0 + 3 * ci
