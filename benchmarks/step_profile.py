@@ -12,7 +12,8 @@ nodes verified and committed (root only) --repeats times after a warm-up, in the
 measuring session (`TargetModel.measuring`: the cache is restored after each step); per
 category the median over repeats. Stock categories come from forward hooks on the model's
 modules (a hook costs a few microseconds, counted in "other"); fast categories from timing
-each kernel call. Thread count pinned and printed.
+each kernel call. Thread count pinned, read back after the run (torch's and the kernels'),
+printed, and a run whose counts differ from --threads refused.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import recap.target.base as target_base  # noqa: E402
 from recap.target.kernels import decoder as fast_decoder  # noqa: E402
 from recap.target.kernels import ops  # noqa: E402
 from recap.target.kernels.linear import Linear  # noqa: E402
+from recap.target.kernels.threads import check_read_back, read_back  # noqa: E402
 from recap.target.profile import random_tree  # noqa: E402
 
 CATEGORIES = ("linear", "attention", "norm", "elementwise", "mask", "cache", "logits/top-k", "other")
@@ -180,10 +182,14 @@ def main() -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     target = recap.load(args.model, dtype=args.dtype)
     results = {}
+    ran = {}
     for kernels in ("stock", "fast"):
         target.use_kernels(kernels)
         results[kernels] = profile(target, sizes, args.context, args.repeats)
-    print(f"# step profile: {args.model}, {args.dtype}, {torch.get_num_threads()} thread(s), "
+        ran[kernels] = read_back(kernels)  # what ran, not what was asked
+        check_read_back(args.threads, ran[kernels], f"the {kernels} step profile")
+    print(f"# step profile: {args.model}, {args.dtype}, {args.threads} thread(s) (read back: "
+          f"torch {ran['fast']['torch']}, kernels {ran['fast']['kernels']}), "
           f"{args.context} cached tokens, median of {args.repeats} (ms)\n")
     header = ["kernels", "N", *CATEGORIES, "total"]
     print("| " + " | ".join(header) + " |")
@@ -194,7 +200,8 @@ def main() -> int:
                                      f"**{spent['total']:.1f}**"]) + " |")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": args.model, "dtype": args.dtype,
-                                               "threads": torch.get_num_threads(), "context": args.context,
+                                               "threads": args.threads, "threads_ran": ran,
+                                               "context": args.context,
                                                "results": results}, indent=1))
     return 0
 

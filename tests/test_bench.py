@@ -225,16 +225,32 @@ def test_end_to_end_writes_every_output(tmp_path):
         assert name != "ar" or method["S"] == 1.0
     block = summary["run"]
     assert block["threads_pinned"] == 1 and block["dtype"] == "float32" and block["max_new_tokens"] == TOKENS
+    assert block["threads_ran"] == {"torch": 1, "kernels": 1}  # read back after the run, not the request
     assert block["machine"]["cpu"] and block["versions"]["torch"] and block["versions"]["transformers"]
     assert block["images_used"] is False and block["turn_is_request"] is True and block["seed"] == 0
     assert "decodes the first unit once" in block["warmup"] and block["rotation"].startswith("cyclic")
     assert summary["topics"] == {"alpha": 2, "multi turn": 2} and summary["complete"] is True
     report = (out / "report.md").read_text()
     assert "text-only model: every question is asked without its image" in report
+    assert "1 thread(s) (read back after the run: torch 1, kernels 1)" in report
     assert "| method | alpha | multi turn | overall |" in report and "![latency_cdf](latency_cdf.png)" in report
     assert "one generation unit and one request" in report and bench_data.MMSPEC_SYSTEM_PROMPT in report
     assert not any(r["has_image"] for r in rows)
     assert run.summary["methods"]["recap"]["units"] == 4
+
+
+def test_a_run_on_other_threads_than_asked_writes_no_row(tmp_path, monkeypatch):
+    """The kernels' thread count is read back before the first row: a run whose kernels
+    would run on 2 threads under ``--threads 1`` is refused, and the read-back recorded."""
+    from recap.bench import runner
+    from recap.errors import RecapError
+
+    monkeypatch.setattr(runner, "read_back", lambda kernels: {"torch": 1, "kernels": 2})
+    with pytest.raises(RecapError, match="asked for 1 thread.*kernels 2"):
+        _bench(_config(tmp_path))
+    assert not ResultsFile(tmp_path / "out").load()
+    record = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert record["sessions"][-1]["threads_ran"] == {"torch": 1, "kernels": 2}
 
 
 def test_multi_turn_units_see_the_earlier_answer(tmp_path, monkeypatch):

@@ -192,10 +192,22 @@ def test_profile_of_other_settings_is_remeasured(cache, measured, capsys):
 
 
 def test_verify_cost_follows_a_thread_change(cache, measured, monkeypatch):
+    """A new thread count is a new profile; one the kernels cannot run on (more than numba's
+    pool holds) is refused, not measured on fewer threads and labelled with the request."""
+    import numba
+
+    from recap.errors import RecapError
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba's pool has one thread here")
     target = fresh()
     target.verify_cost()
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    assert target.verify_cost().key["threads"] == 3 and len(measured) == 2
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert target.verify_cost().key["threads"] == 2 and len(measured) == 2
+    too_many = numba.config.NUMBA_NUM_THREADS + 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: too_many)
+    with pytest.raises(RecapError, match=f"asked for {too_many} thread"):
+        target.verify_cost()
 
 
 def test_explicit_specs(cache, measured, tmp_path, capsys):

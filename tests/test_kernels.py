@@ -14,8 +14,8 @@ from numba import njit
 import recap
 from recap.core import DraftTree
 from recap.errors import InputError
+from recap.target.kernels import lanes, ops, unsupported
 from recap.target.kernels import linear as kernel_linear
-from recap.target.kernels import ops, unsupported
 from recap.target.kernels.exp import exp32
 from recap.target.kernels.linear import Linear, padded_rows
 from recap.target.kernels.widen import storage, widen
@@ -143,8 +143,6 @@ def test_quad_attention_gives_each_node_its_plain_steps_bits(past, size, groups,
     what a one-row step at its position gets (a cache whose prefix holds the node's path),
     whatever the prefix length (the shared 3-key blocks end anywhere) and quad filling; and
     it agrees with `tree_attention` up to rounding."""
-    if not ops.block_slots_exact(dim):
-        pytest.skip("this machine compiles the block's slots apart: quad attention is not used here")
     rng = np.random.default_rng(seed)
     parents = [-1] + [int(rng.integers(0, i)) for i in range(1, size)]
     starts, ancestors, paths = _tree_paths(parents)
@@ -170,8 +168,25 @@ def test_quad_attention_gives_each_node_its_plain_steps_bits(past, size, groups,
 
 
 def test_quad_attention_is_used_where_it_fits():
-    assert ops.block_slots_exact(64)  # SmolLM2's heads on this machine: checked, not assumed
     assert ops.QuadAttention.suits(9, 3, 64) and not ops.QuadAttention.suits(4, 2, 64)
+
+
+def test_quad_attention_out_of_the_written_order_is_refused(monkeypatch):
+    """Its load-time check can fail: a score block that gives the first query of a quad
+    other bits (float64 sums) makes `block_slots_exact` false and `QuadAttention` refuses."""
+    real = ops._quad_scores
+
+    def reordered(queries, keys, past, lengths, firsts, ancestors, units, b, scores):
+        real(queries, keys, past, lengths, firsts, ancestors, units, b, scores)
+        scores[4 * b, :lengths[4 * b]] = (keys[:lengths[4 * b]].astype(np.float64) @ queries[4 * b]).astype(np.float32)
+
+    check = ops.block_slots_exact.__wrapped__
+    assert check(64) and check(37)
+    monkeypatch.setattr(ops, "_quad_scores", reordered)
+    monkeypatch.setattr(ops, "block_slots_exact", check)
+    assert not check(64)
+    with pytest.raises(kernel_linear.KernelDefect, match="lanes"):
+        ops.QuadAttention(9, 3, 64)
 
 
 # ----------------------------------------------------------------------------- the linear kernel
@@ -181,8 +196,8 @@ def test_quad_attention_is_used_where_it_fits():
        weight_rows=st.sampled_from([3, 4]))
 def test_linear_rows_do_not_depend_on_their_neighbours(rows, out_features, in_features, dtype, bias, seed,
                                                         weight_rows):
-    """Both register blocks (3x4 on 16-register CPUs, 4x4 and 8x2 on AVX-512), whatever this
-    machine picks by default."""
+    """Both weight-row layouts (3x4 with its remainder and few-rows blocks; 4x4 with 8x2),
+    whatever this machine picks by default."""
     rng = np.random.default_rng(seed)
     weight = torch.from_numpy(rng.standard_normal((out_features, in_features), dtype=np.float32)).to(
         getattr(torch, dtype))
@@ -192,10 +207,9 @@ def test_linear_rows_do_not_depend_on_their_neighbours(rows, out_features, in_fe
     x = np.zeros((max(padded_rows(rows), 4), in_features), np.float32)
     x[:rows] = rng.standard_normal((rows, in_features), dtype=np.float32)
     out = layer(x, np.zeros((len(x), out_features), np.float32), rows)
-    assert layer.two_rows == (weight_rows == 4 and out_features % 8 == 0)  # the machine check passes here
-    assert layer.one_row == (layer.two_rows and out_features % 16 == 0)    # and so does the 16x1 block's
-    assert layer.few_rows == (weight_rows == 3)                            # and the spread 6x2 kernel's
-    assert layer.remainders == (weight_rows == 3)                          # and the 12x1 / 6x2 blocks'
+    # which blocks run follows from the layout and the shape alone, on every machine
+    assert layer.two_rows == (weight_rows == 4 and out_features % 8 == 0)
+    assert layer.few_rows == layer.remainders == (weight_rows == 3)
     for row in range(rows):
         single = np.zeros((4, in_features), np.float32)
         single[row % 4] = x[row]  # any slot of the 4-row block
@@ -205,7 +219,7 @@ def test_linear_rows_do_not_depend_on_their_neighbours(rows, out_features, in_fe
             pair = single[:2] if row % 4 < 2 else single[2:]
             assert np.array_equal(layer(pair, np.zeros((2, out_features), np.float32), 2)[row % 2], out[row])
         first = np.zeros((4, in_features), np.float32)
-        first[0] = x[row]  # and as a step of one row (16x1 block, else 2 or 4 rows)
+        first[0] = x[row]  # and as a step of one row (computed as 2 or 4 rows)
         assert np.array_equal(layer(first, np.zeros((4, out_features), np.float32), 1)[0], out[row])
     expected = x[:rows].astype(np.float64) @ weight.double().numpy().T + (layer.bias if bias else 0)
     np.testing.assert_allclose(out[:rows], expected, rtol=1e-4, atol=1e-4 * in_features)
@@ -220,19 +234,52 @@ def test_packed_verify_is_bit_identical_on_either_block(weight_rows, monkeypatch
     assert mismatched_nodes(target, _random_tree(np.random.default_rng(2), 16, 1000)) == 0
 
 
-def test_both_blocks_give_the_same_bits_here():
-    """The two main blocks run the same dot product, so on one machine they agree bit for bit
-    on every column both cover (N a multiple of 12 here; the last N mod 3 or N mod 4 columns
-    go through a 1-weight-row block that LLVM may vectorise otherwise)."""
-    rng = np.random.default_rng(3)
-    weight, bias = rng.standard_normal((72, 300), dtype=np.float32), rng.standard_normal(72).astype(np.float32)
-    x = rng.standard_normal((12, 300), dtype=np.float32)
-    three = Linear(weight, bias, weight_rows=3)(x, np.zeros((12, 72), np.float32), 12)
-    four = Linear(weight, bias, weight_rows=4)(x, np.zeros((12, 72), np.float32), 12)
-    np.testing.assert_allclose(three, x.astype(np.float64) @ weight.T.astype(np.float64) + bias, rtol=1e-4, atol=1e-3)
-    assert np.array_equal(three, four)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("in_features", [1, 7, 8, 37, 96])
+def test_every_block_computes_the_written_order(in_features, dtype):
+    """Every register block of both layouts, at every row count, gives each element the bits
+    of `lanes.reference_dot` (the order written in `lanes`, one exact operation at a time)
+    plus the bias: 26 columns, so the last N mod 3 and N mod 4 columns are compared too, and
+    widths with and without a tail past the last whole group of lanes."""
+    rng = np.random.default_rng(in_features)
+    weight = torch.from_numpy(rng.standard_normal((26, in_features), dtype=np.float32)).to(getattr(torch, dtype))
+    bits = weight.numpy() if dtype == "float32" else weight.view(torch.int16).numpy().view(np.uint16)
+    wide, bias = weight.float().numpy(), rng.standard_normal(26).astype(np.float32)
+    x = rng.standard_normal((12, in_features), dtype=np.float32)
+    expected = np.array([[np.float32(lanes.reference_dot(row, column) + b) for column, b in zip(wide, bias)]
+                         for row in x])
+    for weight_rows in (3, 4):
+        layer = Linear(bits, bias, float16=dtype == "float16", weight_rows=weight_rows)
+        for rows in (1, 2, 3, 4, 5, 6, 9, 10, 12):
+            got = layer(x, np.zeros((12, 26), np.float32), rows)[:rows]
+            assert got.tobytes() == expected[:rows].tobytes(), (weight_rows, rows)
     with pytest.raises(ValueError):
-        Linear(weight, bias, weight_rows=2)
+        Linear(bits, bias, weight_rows=2)
+
+
+@njit(cache=True)
+def _dot_summed_in_lane_order(a, b):  # pragma: no cover - compiled
+    # `lanes.dot` with its partial sums added one after another instead of by the tree
+    acc = lanes.zeros()
+    for k in range(0, lanes.whole(a.shape[0]), lanes.LANES):
+        acc = lanes.fma(lanes.load(a, k), lanes.load(b, k), acc)
+    s = np.float32(0)
+    for i in range(lanes.LANES):
+        s += lanes.lane(acc, i)
+    return s
+
+
+def test_the_written_order_is_the_one_compiled():
+    """`lanes.dot` and `lanes.reference_dot` agree bit for bit; the same partial sums added in
+    another order (a negative control) do not, so the reference can tell orders apart."""
+    rng = np.random.default_rng(11)
+    differing = 0
+    for length in (8, 64, 576):
+        for _ in range(20):
+            a, b = rng.standard_normal((2, length), dtype=np.float32)
+            assert np.float32(lanes.dot(a, b)).tobytes() == lanes.reference_dot(a, b).tobytes()
+            differing += np.float32(_dot_summed_in_lane_order(a, b)).tobytes() != lanes.reference_dot(a, b).tobytes()
+    assert differing > 10
 
 
 @njit(cache=True)
@@ -253,7 +300,7 @@ def test_widening_is_exact_for_every_16_bit_pattern(float16):
     assert out[~nan].tobytes() == expected[~nan].tobytes()  # infinities, signed zeros and subnormals too
     with pytest.raises(ValueError, match="16-bit"):
         storage(np.zeros(4, np.float64))
-    assert kernel_linear.ROW_BLOCK == 4 and padded_rows(1) == 1 and padded_rows(2) == 2 and padded_rows(5) == 8
+    assert kernel_linear.ROW_BLOCK == 4 and padded_rows(1) == 2 and padded_rows(2) == 2 and padded_rows(5) == 8
     assert padded_rows(3) == 4
 
 
@@ -275,83 +322,56 @@ def test_16_bit_weights_give_the_bits_of_their_float32_widening(dtype, weight_ro
 
 
 def test_a_layer_refuses_buffers_shorter_than_the_rows_it_computes():
-    """The kernels do not check bounds: a 1-row step on a layer without the 16x1 block runs as
-    2 (or 4) rows and must not read past a 1-row buffer."""
-    weight = np.ones((24, 8), np.float32)  # 24 columns: the 8x2 block, not the 16x1 one
+    """The kernels do not check bounds: a 1-row step runs as 2 (or 4) rows and must not read
+    past a 1-row buffer."""
+    weight = np.ones((24, 8), np.float32)  # 24 columns: the 8x2 block
     layer = Linear(weight, None, weight_rows=4)
-    assert layer.two_rows and not layer.one_row
+    assert layer.two_rows
     with pytest.raises(ValueError, match="2 rows"):
         layer(np.ones((1, 8), np.float32), np.zeros((1, 24), np.float32), 1)
     assert np.array_equal(layer(np.ones((2, 8), np.float32), np.zeros((2, 24), np.float32), 1)[0], np.full(24, 8.0))
 
 
-def test_a_two_row_block_with_other_arithmetic_is_refused(monkeypatch):
-    """The machine check of the 2-row block must fail for a block that sums in another order
-    (float64, then rounded), and such a layer then pads 1-2 rows to 4."""
-    def float64_block(x, w, bias, out):
-        out[:2] = (x[:2].astype(np.float64) @ w.astype(np.float64).T + bias).astype(np.float32)
-
-    check = kernel_linear.small_rows_exact.__wrapped__
-    assert check(96, "float32") and check(96, "bfloat16") and check(37, "float16")
-    monkeypatch.setattr(kernel_linear, "linear8x2", float64_block)
-    monkeypatch.setattr(kernel_linear, "small_rows_exact", check)
-    assert not check(96, "float32")
-    layer = Linear(np.ones((16, 96), np.float32), None)
-    assert not layer.two_rows
-    with pytest.raises(ValueError):
-        layer(np.ones((2, 96), np.float32), np.zeros((2, 16), np.float32), 2)
-    out = layer(np.ones((4, 96), np.float32), np.zeros((4, 16), np.float32), 2)  # computed as 4 rows
-    assert np.array_equal(out[:2], np.full((2, 16), 96, np.float32))
+def _float64_rows(x, w, bias, first, last):
+    """Rows first..last-1 of x @ w.T + bias summed in float64, then rounded: another order."""
+    wide = (w.astype(np.uint32) << 16).view(np.float32) if w.dtype == np.uint16 else w
+    return (x[first:last].astype(np.float64) @ wide.astype(np.float64).T + bias).astype(np.float32)
 
 
-def test_a_few_rows_kernel_with_other_arithmetic_is_refused(monkeypatch):
-    """The machine check of the spread 6x2 kernel for 1-2-row steps (3x4 path) must fail for
-    one whose second row sums in another order (float64, then rounded); such a layer then
-    computes 1- and 2-row steps as 4 rows of the 3x4 block."""
-    real = kernel_linear.linear3x4_few
+def _reordered(name: str):
+    """Kernel ``name`` of `linear`, with some of its rows summed in another order."""
+    real = getattr(kernel_linear, name)
+    if name == "linear3x4":  # the 12x1 / 6x2 remainder rows only
+        def kernel(x, w, bias, out, rows, remainders):
+            real(x, w, bias, out, rows, remainders)
+            if remainders and rows > 4 and rows % 4 in (1, 2):
+                out[rows - rows % 4:rows] = _float64_rows(x, w, bias, rows - rows % 4, rows)
+    else:  # the second row of a 2-row block
+        def kernel(x, w, bias, out):
+            real(x, w, bias, out)
+            out[1] = _float64_rows(x, w, bias, 1, 2)[0]
+    return kernel
 
-    def float64_pairs(x, w, bias, out):
-        real(x, w, bias, out)
-        wide = (w.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-        out[1] = (x[1].astype(np.float64) @ wide.T + bias).astype(np.float32)
 
-    check = kernel_linear.few_rows_exact.__wrapped__
-    assert check(96, "float32") and check(96, "bfloat16") and check(37, "float16")
-    monkeypatch.setattr(kernel_linear, "linear3x4_few", float64_pairs)
-    monkeypatch.setattr(kernel_linear, "few_rows_exact", check)
-    assert not check(96, "bfloat16")
+@pytest.mark.parametrize("name", ["linear8x2", "linear3x4_few", "linear3x4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_block_out_of_the_written_order_is_refused(name, dtype, monkeypatch):
+    """The load-time check can fail: a block that sums some rows in another order (float64,
+    then rounded) makes `blocks_agree` false, and `Linear` refuses to load rather than give a
+    step other bits than another block would."""
+    uncached = {check: getattr(kernel_linear, check).__wrapped__ for check in
+                ("blocks_agree", "small_rows_exact", "few_rows_exact", "remainder_rows_exact")}
+    assert uncached["blocks_agree"](96, dtype) and uncached["blocks_agree"](37, dtype)
+    for check, function in uncached.items():
+        monkeypatch.setattr(kernel_linear, check, function)
+    monkeypatch.setattr(kernel_linear, name, _reordered(name))
+    assert not kernel_linear.blocks_agree(96, dtype)
     rng = np.random.default_rng(6)
-    weight = (rng.standard_normal((60, 96), dtype=np.float32).view(np.uint32) >> 16).astype(np.uint16)
-    layer = Linear(weight, None, weight_rows=3)
-    assert not layer.few_rows and layer.computed_rows(1) == 4
-    x = rng.standard_normal((4, 96), dtype=np.float32)
-    two, four = (layer(x, np.zeros((4, 60), np.float32), rows) for rows in (2, 4))
-    assert np.array_equal(two[:2], four[:2])
-
-
-def test_a_remainder_block_with_other_arithmetic_is_refused(monkeypatch):
-    """The machine check of the 12x1 / 6x2 blocks must fail for remainder rows summed in
-    another order (float64, then rounded), and such a layer then pads every step to a
-    multiple of 4 rows, computed on the 3x4 block alone."""
-    real = kernel_linear.linear3x4
-
-    def float64_remainders(x, w, bias, out, rows, remainders):
-        real(x, w, bias, out, rows, remainders)
-        if remainders and rows > 4 and rows % 4 in (1, 2):
-            last = slice(rows - rows % 4, rows)
-            out[last] = (x[last].astype(np.float64) @ w.astype(np.float64).T + bias).astype(np.float32)
-
-    check = kernel_linear.remainder_rows_exact.__wrapped__
-    assert check(96, "float32") and check(37, "float32")
-    monkeypatch.setattr(kernel_linear, "linear3x4", float64_remainders)
-    monkeypatch.setattr(kernel_linear, "remainder_rows_exact", check)
-    assert not check(96, "float32")
-    rng = np.random.default_rng(5)
-    weight, x = rng.standard_normal((30, 96), dtype=np.float32), rng.standard_normal((8, 96), dtype=np.float32)
-    layer = Linear(weight, None, weight_rows=3)
-    assert not layer.remainders
-    five = layer(x, np.zeros((8, 30), np.float32), 5)[:5].copy()
-    assert np.array_equal(five, layer(x, np.zeros((8, 30), np.float32), 8)[:5])
+    weight = rng.standard_normal((60, 96), dtype=np.float32)
+    if dtype == "bfloat16":
+        weight = (weight.view(np.uint32) >> 16).astype(np.uint16)
+    with pytest.raises(kernel_linear.KernelDefect, match="lanes"):
+        Linear(weight, None)
 
 
 # ----------------------------------------------------------------------------- exp and SiLU

@@ -59,6 +59,7 @@ def build_summary(rows: Sequence[dict], record: dict) -> dict:
         "machine": last.get("machine"),
         "versions": last.get("versions"),
         "threads_pinned": last.get("threads"),
+        "threads_ran": last.get("threads_ran"),
         "kernels": last.get("kernels", "stock"),
         "sessions": [{key: session.get(key) for key in ("started", "units_done_before", "units_run", "wall_s",
                                                        "interrupted")} for session in sessions],
@@ -127,6 +128,16 @@ def _calibration_section(methods: dict) -> list[str]:
     return lines
 
 
+def _threads(run: dict) -> str:
+    """The thread count as read back after the run (runs from before the read-back say
+    only what was asked)."""
+    ran = run.get("threads_ran")
+    if not ran:
+        return f"{run.get('threads_pinned')} thread(s) asked (not read back)"
+    counts = ", ".join(f"{name} {count}" for name, count in ran.items() if count is not None)
+    return f"{ran.get('torch')} thread(s) (read back after the run: {counts})"
+
+
 def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
     run = summary["run"]
     methods = summary["methods"]
@@ -134,7 +145,7 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
     topics = list(summary["topics"])
     exact = claims_exact(str(run.get("dtype")), str(run.get("kernels", "stock")))
     lines = [f"# recap bench: {run.get('model')}, {run.get('dtype')}, {run.get('kernels', 'stock')} kernels, "
-             f"{run.get('threads_pinned')} thread(s)", ""]
+             f"{_threads(run)}", ""]
     if summary["mismatches"]:
         lines += [f"> **MISMATCH: {summary['mismatches']} output(s) differ from AR.**"
                   + (" This breaks losslessness: treat it as a bug." if exact else
@@ -210,9 +221,8 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
     machine = run.get("machine") or {}
     versions = run.get("versions") or {}
     lines += ["## How this was measured", "",
-              f"- model `{run.get('model')}`, dtype {run.get('dtype')}, device {run.get('device', 'cpu')}, torch "
-              "threads pinned to "
-              f"{run.get('threads_pinned')}, greedy, at most {run.get('max_new_tokens')} new tokens per unit, "
+              f"- model `{run.get('model')}`, dtype {run.get('dtype')}, device {run.get('device', 'cpu')}, "
+              f"{_threads(run)}, greedy, at most {run.get('max_new_tokens')} new tokens per unit, "
               f"seed {run.get('seed')}",
               f"- machine: {machine.get('cpu')}, {machine.get('cores_available')} cores available; "
               + ", ".join(f"{k} {v}" for k, v in versions.items()),

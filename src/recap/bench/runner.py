@@ -32,6 +32,7 @@ from recap.decoding import GenerationResult, decode
 from recap.errors import InputError
 from recap.images import load_image
 from recap.target import TargetModel
+from recap.target.kernels.threads import check_read_back, read_back
 
 DEFAULT_METHODS = ("recap", "recap-paper", "pld", "sam")
 """Compared with AR by default, those of them that are registered."""
@@ -214,7 +215,7 @@ class Bench:
         pending = [u for u in self.units if not all((u.key, label) in done for label in self.labels)]
         session = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "kernels": target.kernels,
                    "units_done_before": len(self.units) - len(pending), "units_selected": len(self.units),
-                   "machine": machine(), "versions": versions(), "threads": torch.get_num_threads(),
+                   "machine": machine(), "versions": versions(), "threads": self.config.threads,
                    "stream_events": []}
         record.setdefault("sessions", []).append(session)
         record["images_used"] = self.images
@@ -226,7 +227,9 @@ class Bench:
                 with self._progress(len(pending)) as advance:
                     if self.config.warmup:
                         self._warm_up(advance)
+                    self._check_threads(target, session)  # before the first row is written
                     self._run_units(pending, done, rows, session, advance, run)
+                self._check_threads(target, session)
         except KeyboardInterrupt:
             run.interrupted = True
         finally:
@@ -236,6 +239,12 @@ class Bench:
             write_json_atomic(self.out / "run.json", record)
         run.rows = rows
         return run
+
+    def _check_threads(self, target, session: dict) -> None:
+        """Record the thread counts read back (torch's, the fast kernels'), and refuse a run
+        whose counts differ from ``--threads``: its times would be labelled wrongly."""
+        session["threads_ran"] = read_back(target.kernels)
+        check_read_back(self.config.threads, session["threads_ran"], "this bench run")
 
     @contextlib.contextmanager
     def _progress(self, units: int):

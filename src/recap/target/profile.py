@@ -37,6 +37,7 @@ from recap.core.tree import ROOT, DraftTree
 from recap.errors import InputError
 from recap.target.kernels import KERNELS_REVISION, linear
 from recap.target.kernels.linear import ROW_BLOCK
+from recap.target.kernels.threads import check_read_back, read_back
 
 if TYPE_CHECKING:
     from recap.target.base import MeasuringSession, TargetModel
@@ -210,14 +211,19 @@ def measure_profile(target: TargetModel, sizes: Sequence[int] | None = None,
                     contexts: Sequence[int] = DEFAULT_CONTEXTS, repeats: int | None = None, *,
                     quick: bool = False, progress: Progress | None = None, seed: int = 0) -> CostProfile:
     """Measure this target's verify-cost grid now. ``quick`` (the lazy path) takes fewer
-    sizes and repeats; explicit ``sizes`` / ``repeats`` win. Uses the caller's thread count."""
+    sizes and repeats; explicit ``sizes`` / ``repeats`` win. Uses the caller's thread count,
+    and refuses (`RecapError`) a measurement whose threads, read back after it, differ from
+    the count its key records."""
     if sizes is None:
         fast = target.kernels == "fast"
         sizes = (FAST_QUICK_SIZES if fast else QUICK_SIZES) if quick else (FAST_SIZES if fast else DEFAULT_SIZES)
     repeats = (QUICK_REPEATS if quick else REPEATS) if repeats is None else repeats
     fitted_sizes, fitted_contexts = _fit(target, sizes, contexts)
+    key = profile_key(target)
     times = measure_times(target, fitted_sizes, fitted_contexts, repeats, seed=seed, progress=progress)
-    return CostProfile(sizes=fitted_sizes, contexts=fitted_contexts, times=times, key=profile_key(target),
+    # what ran, not what was asked: a profile keyed 1 thread must have timed 1 thread
+    check_read_back(key["threads"], read_back(target.kernels), f"the cost profile of {target.name}")
+    return CostProfile(sizes=fitted_sizes, contexts=fitted_contexts, times=times, key=key,
                        source="measured", row_block=target.cost_row_block)
 
 

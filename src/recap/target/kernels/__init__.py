@@ -1,8 +1,10 @@
 """The project's own decode and verify steps on CPU: fast at small batch and batch-invariant.
 
-- `linear`: the linear-layer kernel: one dot product per element for every row count (a 4x4
-  register block and an 8x2 one for 1-2-row steps, checked bit for bit against it, on
-  AVX-512; a 3x4 block for every row count on 16-register CPUs);
+- `lanes`: the one summation order of every dot product and sum (fixed partial sums, fused
+  multiply-adds, a fixed final tree), so no compiler or CPU can change a bit;
+- `linear`: the linear-layer kernel: register blocks sized to the step (4x4 and 8x2 on
+  AVX-512; 3x4 with 12x1 / 6x2 remainders on 16-register CPUs), each element in `lanes` order;
+- `threads`: the kernels run on torch's thread count, and torch's count is never changed;
 - `exp`: a float32 ``exp`` that vectorises (softmax, SiLU);
 - `ops`: norms, RoPE, SiLU, tree attention over per-node ancestor lists (four queries of a
   kv head at a time, `QuadAttention`, on models with 3 or more query heads per kv head);
@@ -22,11 +24,12 @@ from recap.target.kernels.args import DecoderArgs, unsupported
 from recap.target.kernels.cache import KVCache
 from recap.target.kernels.decoder import FastDecoder
 
-KERNELS_REVISION = 7
+KERNELS_REVISION = 8
 """Bumped when the fast kernels' speed or arithmetic changes (2: the 2-row block, `exp32`; 3:
 the 3x4 block on 16-register CPUs; 4: the 16x1 block for 1-row steps on AVX-512; 5: quad
-attention; 6: the 12x1 / 6x2 remainder blocks; 7: 16-bit weights widened in registers), so a
-cost profile measured on older kernels is measured again (`recap.target.profile`)."""
+attention; 6: the 12x1 / 6x2 remainder blocks; 7: 16-bit weights widened in registers; 8: every
+sum in `lanes` order, new bits, no 16x1 block), so a cost profile measured on older kernels
+is measured again (`recap.target.profile`)."""
 
 KERNELS = ("auto", "fast", "stock")
 """``auto``: ``fast`` on CPU where the architecture is supported, ``stock`` elsewhere."""

@@ -12,11 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import numba
 import numpy as np
 import torch
 
-from recap.target.kernels import ops
+from recap.target.kernels import ops, threads
 from recap.target.kernels.args import DecoderArgs, language_model
 from recap.target.kernels.cache import KVCache
 from recap.target.kernels.linear import ROW_BLOCK, Linear, padded_rows
@@ -151,19 +150,12 @@ class FastDecoder:
         return self._cos[rows, columns], self._sin[rows, columns]
 
     def _warm(self, rows: tuple[int, ...]) -> None:
-        """Compile (or load from numba's cache) and run every kernel once, outside any timed step.
-
-        Starting numba's OpenMP pool resets the process's OpenMP thread count, which torch
-        reads as its own: the caller's torch setting is put back, so it is never changed."""
-        threads = torch.get_num_threads()
-        try:
-            cache = self.new_cache(max(rows) + 1)
-            for m in rows:
-                starts = np.arange(m + 1, dtype=np.int64)
-                self.forward(cache, np.zeros(m, np.int64), np.arange(m, dtype=np.int64), starts,
-                             np.arange(m, dtype=np.int64))
-        finally:
-            torch.set_num_threads(threads)
+        """Compile (or load from numba's cache) and run every kernel once, outside any timed step."""
+        cache = self.new_cache(max(rows) + 1)
+        for m in rows:
+            starts = np.arange(m + 1, dtype=np.int64)
+            self.forward(cache, np.zeros(m, np.int64), np.arange(m, dtype=np.int64), starts,
+                         np.arange(m, dtype=np.int64))
 
     def new_cache(self, capacity: int) -> KVCache:
         return KVCache(self.args, capacity)
@@ -209,7 +201,7 @@ class FastDecoder:
         if rows > self._buffers.rows:
             self._buffers = _Buffers(self.args, rows)
         cos, sin = self._angles(positions)
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+        threads.follow_torch()
         spans = [(int(bounds[r]), int(bounds[r + 1]), cache) for r, cache in enumerate(caches)]
         for begin, end, cache in spans:
             cache.reserve(end - begin)

@@ -3,52 +3,37 @@
 Why our own: stock ``F.linear`` on CPU picks its blocking from the batch size, so row 0 of an
 8-row product is not bit-identical to the 1-row product, and 2 rows cost ~1.6x one. Here:
 
-- **One dot product for every M.** Every output element is one dot product over K that LLVM
-  vectorises the same way in each register block: one vector accumulator per element
-  (``fastmath`` allows reassociation and FMA *within* that loop), then the same horizontal
-  sum. With ``WEIGHT_ROWS`` 4 (AVX-512), steps of 3 or more rows are padded to a multiple of
-  `ROW_BLOCK` and go through a 4x4 block (4 weight rows x 4 token rows); steps of 1 or 2
-  rows go through an 8x2 block (8 weight rows x 2 token rows), which reads each weight once
-  for 2 rows instead of computing 3 padding rows: a 1-row step's linear layers take about
-  12% less time (SmolLM2, one core, `benchmarks/step_profile.py`); steps of exactly 1 row
-  go through a 16x1 block (16 weight rows x the one token row), which computes no padding
-  row at all: about 5% less than the 8x2 block on an Intel AVX-512 core. All three blocks
-  hold 16 accumulators, and their weight rows are spread over the matrix (q, q + N/4, ...):
-  long sequential streams the hardware prefetcher follows (4 adjacent rows, read in
-  parallel, cost 1.5x as much from DRAM on a 2-core EPYC).
-- **Checked on the machine, not assumed.** That both blocks compile to the same arithmetic
-  is LLVM's choice, so `small_rows_exact` and `one_row_exact` compare them bit for bit for
-  each input width a model uses before the 2-row or 1-row block is used (`Linear` calls
-  them); where they differ, the step is padded to 2 or 4 rows as before. The row count never
-  changes an element's bits. (Blocks with fewer accumulators, 8x1 or 4x1, were faster still
-  at one row but LLVM interleaves their loops and rounds otherwise: not used.)
+- **One dot product, written out.** Every output element is one dot product over K in
+  `lanes` order: `LANES` partial sums of fused multiply-adds in increasing k, a fixed final
+  tree, then the bias. Every register block below computes each of its elements that way, so
+  the block, the row count, the neighbouring rows, the thread count and the instruction set
+  (AVX2, AVX-512, or none) never change a bit: by construction, not by the compiler's choice.
+  `blocks_agree` still compares every block with the 4x4 block for each input width a model
+  uses, and `Linear` refuses to load (`KernelDefect`) if one ever differs.
+- **Blocks sized to the step.** With `WEIGHT_ROWS` 4 (32 vector registers: AVX-512), steps
+  of 3 or more rows are padded to a multiple of `ROW_BLOCK` and go through a 4x4 block (4
+  weight rows x 4 token rows); 1- or 2-row steps through an 8x2 block (reads each weight once
+  for 2 rows instead of computing 3 padding rows; a 16x1 block for 1-row steps was slower
+  on a Zen 4 core in `lanes` order, docs/kernels.md). Their weight rows are spread over the
+  matrix (q, q + N/4, ...): long
+  sequential streams the hardware prefetcher follows (4 adjacent rows, read in parallel,
+  cost 1.5x as much from DRAM on a 2-core EPYC).
 - **Weights read once per block of token rows**, in the model's own layout (N, K) and dtype,
   so 1-8 rows cost about what the weight bytes cost to stream plus the arithmetic (the two
-  do not overlap on this core: docs/kernels.md).
-- bfloat16 / float16 weights are read as stored and widened to float32 in registers, inside
-  the dot product (`widen`: exact, every 16-bit float is a float32), so a step streams half
-  the bytes of a float32 one; accumulation is float32. (Widening a panel into float32
-  scratch first, as before, made bfloat16 steps slower than float32 ones.)
+  do not overlap on this core: docs/kernels.md). bfloat16 / float16 weights are read as
+  stored and widened to float32 in registers (`lanes.load`; exact, every 16-bit float is a
+  float32), so a step streams half the bytes of a float32 one.
 - **The block fits the machine's registers.** The 4x4 block holds 16 accumulators and 8
-  operands: on a core with 32 vector registers (AVX-512) it runs near the core's peak, but
-  with 16 (AVX2) it spills. There the 3x4 block (12 accumulators, 3 weight rows x 4 token
-  rows) is used for every row count, over panels of `PANEL` weight-row groups so a step's 4
-  token rows stay in L1 while the panel's weight rows come from L2 (1.4-1.6x faster at 8-64
-  rows on a Zen 3 core, `benchmarks/linear_blocks.py`). Both blocks run the same dot
-  product (LLVM vectorises both loops alike: equal bits on the columns both cover, tested);
-  the last N mod 3 (or 4) columns go through a 1-weight-row block that may round otherwise,
-  so bits can differ between the choices, never between row counts. `WEIGHT_ROWS` is the
-  machine's choice, and it is part of a cost profile's key.
-- **No padding rows past 4 on the 3x4 block.** A step of 4k + 1 or 4k + 2 rows (k >= 1)
-  runs its last 1 or 2 rows on a 12x1 or 6x2 block (12 accumulators each, the same dot
-  product), right after the panel's 4-row blocks, while the panel's weights are still in
-  cache: on a Zen 3 core SmolLM2's layers take 15% less at 5 rows than padded to 8, and
-  10-12% less at 9-10 rows than padded to 12. `remainder_rows_exact` checks the bits on the machine, as for the
-  2-row block; a step of 4k + 3 rows is padded (a 4x3 block was slower than the padding).
-  A 1- or 2-row step would pay for 4 rows of arithmetic on the 3x4 block, so it runs the
-  6x2 block over weight rows spread across the matrix instead (`linear3x4_few`: six
-  sequential streams, at most one padding row; `few_rows_exact` checks its bits on the
-  machine).
+  operands: with 16 vector registers (AVX2) it would spill. There (`WEIGHT_ROWS` 3) the 3x4
+  block (12 accumulators) is used for every row count, over panels of `PANEL` weight-row
+  groups so a step's 4 token rows stay in L1 while the panel's weight rows come from L2; a
+  step of 4k + 1 or 4k + 2 rows (k >= 1) runs its last 1 or 2 rows on a 12x1 or 6x2 block
+  right after the panel's 4-row blocks, while the panel's weights are still in cache (a step
+  of 4k + 3 rows is padded: a 4x3 block was slower than the padding); 1- and 2-row steps
+  run the 6x2 block over weight rows spread across the matrix (`linear3x4_few`: six
+  sequential streams, at most one padding row). The last N mod 3 (or 4) columns go through a
+  1-weight-row block. `WEIGHT_ROWS` is the machine's choice and part of a cost profile's key;
+  it changes speed, never bits.
 
 Threads: the output columns are split across numba's threads (``prange``), each column's
 arithmetic unchanged, so the result does not depend on the thread count either.
@@ -61,7 +46,9 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from recap.target.kernels.widen import BFLOAT16_STORAGE, FLOAT16_STORAGE, storage, widen
+from recap.target.kernels import lanes, threads
+from recap.target.kernels.lanes import LANES
+from recap.target.kernels.widen import BFLOAT16_STORAGE, FLOAT16_STORAGE, storage
 
 ROW_BLOCK = 4
 """Token rows computed together; callers pad M > 2 up to a multiple of this."""
@@ -71,13 +58,10 @@ SMALL_ROWS = 2
 """Steps of at most this many rows use the 8x2 block (padded to 2 rows)."""
 SMALL_COL_BLOCK = 8
 """Weight rows computed together by the 8x2 block."""
-ONE_COL_BLOCK = 16
-"""Weight rows computed together by the 16x1 block (1-row steps)."""
 CHUNK = 8
 """Column blocks per parallel task."""
 PANEL = 8
 """3x4 block: weight-row groups computed for one 4-row block of tokens before the next."""
-FASTMATH = {"reassoc", "contract"}
 
 
 def machine_weight_rows() -> int:
@@ -93,358 +77,266 @@ WEIGHT_ROWS = machine_weight_rows()
 
 
 def padded_rows(m: int) -> int:
-    """Rows the buffers of an M-row step hold: 1 or 2 for M <= 2, else M rounded up to a
-    multiple of 4. A layer without the 16x1 block computes a 1-row step as 2 rows, one
-    without the 8x2 block a 1- or 2-row step as 4, the 4x4 block any step as this many and the
-    3x4 block with remainder blocks only the rows asked for past 4 (`Linear.__call__`)."""
+    """Rows the buffers of an M-row step hold: 2 for M <= 2, else M rounded up to a multiple
+    of 4. The 8x2 block computes a 1-row step as 2 rows, a layer without it a 1- or 2-row
+    step as 4, the 4x4 block any step as this many and the 3x4 block with remainder blocks
+    only the rows asked for past 4 (`Linear.__call__`)."""
     if m <= SMALL_ROWS:
-        return max(m, 1)
+        return SMALL_ROWS
     return -(-m // ROW_BLOCK) * ROW_BLOCK
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(inline="always")
 def _block4(x, m0, w0, w1, w2, w3, out, n0, n1, n2, n3, bias):  # pragma: no cover - compiled
-    # x: (Mp, K) f32; w0..w3: (K,) f32 weight rows n0..n3; out: (Mp, N) f32; bias: (N,) f32 or (0,)
+    # x: (Mp, K) f32; w0..w3: (K,) weight rows n0..n3 as stored; out: (Mp, N) f32; bias: (N,)
+    # f32 or (0,). 16 dot products in `lanes` order: a<i><j> is weight row i x token row j.
     x0 = x[m0]
     x1 = x[m0 + 1]
     x2 = x[m0 + 2]
     x3 = x[m0 + 3]
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0)
-    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0)
-    for k in range(x.shape[1]):
-        u0 = widen(w0[k])
-        u1 = widen(w1[k])
-        u2 = widen(w2[k])
-        u3 = widen(w3[k])
-        p = x0[k]
-        a00 += p * u0
-        a10 += p * u1
-        a20 += p * u2
-        a30 += p * u3
-        p = x1[k]
-        a01 += p * u0
-        a11 += p * u1
-        a21 += p * u2
-        a31 += p * u3
-        p = x2[k]
-        a02 += p * u0
-        a12 += p * u1
-        a22 += p * u2
-        a32 += p * u3
-        p = x3[k]
-        a03 += p * u0
-        a13 += p * u1
-        a23 += p * u2
-        a33 += p * u3
-    if bias.shape[0]:
-        a00 += bias[n0]
-        a01 += bias[n0]
-        a02 += bias[n0]
-        a03 += bias[n0]
-        a10 += bias[n1]
-        a11 += bias[n1]
-        a12 += bias[n1]
-        a13 += bias[n1]
-        a20 += bias[n2]
-        a21 += bias[n2]
-        a22 += bias[n2]
-        a23 += bias[n2]
-        a30 += bias[n3]
-        a31 += bias[n3]
-        a32 += bias[n3]
-        a33 += bias[n3]
-    out[m0, n0] = a00
-    out[m0 + 1, n0] = a01
-    out[m0 + 2, n0] = a02
-    out[m0 + 3, n0] = a03
-    out[m0, n1] = a10
-    out[m0 + 1, n1] = a11
-    out[m0 + 2, n1] = a12
-    out[m0 + 3, n1] = a13
-    out[m0, n2] = a20
-    out[m0 + 1, n2] = a21
-    out[m0 + 2, n2] = a22
-    out[m0 + 3, n2] = a23
-    out[m0, n3] = a30
-    out[m0 + 1, n3] = a31
-    out[m0 + 2, n3] = a32
-    out[m0 + 3, n3] = a33
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = lanes.zeros()
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = lanes.zeros()
+    length = x.shape[1]
+    full = lanes.whole(length)
+    for k in range(0, full, LANES):
+        u0 = lanes.load(w0, k)
+        u1 = lanes.load(w1, k)
+        u2 = lanes.load(w2, k)
+        u3 = lanes.load(w3, k)
+        p = lanes.load(x0, k)
+        a00 = lanes.fma(p, u0, a00)
+        a10 = lanes.fma(p, u1, a10)
+        a20 = lanes.fma(p, u2, a20)
+        a30 = lanes.fma(p, u3, a30)
+        p = lanes.load(x1, k)
+        a01 = lanes.fma(p, u0, a01)
+        a11 = lanes.fma(p, u1, a11)
+        a21 = lanes.fma(p, u2, a21)
+        a31 = lanes.fma(p, u3, a31)
+        p = lanes.load(x2, k)
+        a02 = lanes.fma(p, u0, a02)
+        a12 = lanes.fma(p, u1, a12)
+        a22 = lanes.fma(p, u2, a22)
+        a32 = lanes.fma(p, u3, a32)
+        p = lanes.load(x3, k)
+        a03 = lanes.fma(p, u0, a03)
+        a13 = lanes.fma(p, u1, a13)
+        a23 = lanes.fma(p, u2, a23)
+        a33 = lanes.fma(p, u3, a33)
+    if full < length:
+        a00, a01, a02, a03 = _tail4(a00, a01, a02, a03, x0, x1, x2, x3, w0, full)
+        a10, a11, a12, a13 = _tail4(a10, a11, a12, a13, x0, x1, x2, x3, w1, full)
+        a20, a21, a22, a23 = _tail4(a20, a21, a22, a23, x0, x1, x2, x3, w2, full)
+        a30, a31, a32, a33 = _tail4(a30, a31, a32, a33, x0, x1, x2, x3, w3, full)
+    _store4(out, m0, n0, a00, a01, a02, a03, bias)
+    _store4(out, m0, n1, a10, a11, a12, a13, bias)
+    _store4(out, m0, n2, a20, a21, a22, a23, bias)
+    _store4(out, m0, n3, a30, a31, a32, a33, bias)
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit
+def _tail4(a0, a1, a2, a3, x0, x1, x2, x3, w, full):  # pragma: no cover - compiled
+    # The tail of one weight row's dot products with 4 token rows (`lanes.fma_tail`).
+    return (lanes.fma_tail(a0, x0, w, full), lanes.fma_tail(a1, x1, w, full),
+            lanes.fma_tail(a2, x2, w, full), lanes.fma_tail(a3, x3, w, full))
+
+
+@njit(inline="always")
+def _store4(out, m0, n, a0, a1, a2, a3, bias):  # pragma: no cover - compiled
+    # Output column n of token rows m0 .. m0 + 3.
+    out[m0, n] = lanes.finish(a0, bias, n)
+    out[m0 + 1, n] = lanes.finish(a1, bias, n)
+    out[m0 + 2, n] = lanes.finish(a2, bias, n)
+    out[m0 + 3, n] = lanes.finish(a3, bias, n)
+
+
+@njit(inline="always")
 def _block1(x, m0, w0, out, n, bias):  # pragma: no cover - compiled
-    # The last N % 4 columns: one weight row x 4 token rows (the same for every M).
+    # The last N % 3 (or N % 4) columns: one weight row x 4 token rows.
     x0 = x[m0]
     x1 = x[m0 + 1]
     x2 = x[m0 + 2]
     x3 = x[m0 + 3]
-    a0 = a1 = a2 = a3 = np.float32(0)
-    for k in range(x.shape[1]):
-        u = widen(w0[k])
-        a0 += x0[k] * u
-        a1 += x1[k] * u
-        a2 += x2[k] * u
-        a3 += x3[k] * u
-    if bias.shape[0]:
-        a0 += bias[n]
-        a1 += bias[n]
-        a2 += bias[n]
-        a3 += bias[n]
-    out[m0, n] = a0
-    out[m0 + 1, n] = a1
-    out[m0 + 2, n] = a2
-    out[m0 + 3, n] = a3
+    a0 = a1 = a2 = a3 = lanes.zeros()
+    length = x.shape[1]
+    full = lanes.whole(length)
+    for k in range(0, full, LANES):
+        u = lanes.load(w0, k)
+        a0 = lanes.fma(lanes.load(x0, k), u, a0)
+        a1 = lanes.fma(lanes.load(x1, k), u, a1)
+        a2 = lanes.fma(lanes.load(x2, k), u, a2)
+        a3 = lanes.fma(lanes.load(x3, k), u, a3)
+    if full < length:
+        a0, a1, a2, a3 = _tail4(a0, a1, a2, a3, x0, x1, x2, x3, w0, full)
+    _store4(out, m0, n, a0, a1, a2, a3, bias)
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(inline="always")
 def _block3(x, m0, w0, w1, w2, out, n0, n1, n2, bias):  # pragma: no cover - compiled
-    # x: (Mp, K) f32; w0..w2: (K,) f32 weight rows n0..n2; out: (Mp, N) f32; bias: (N,) f32 or (0,)
-    # The dot product of _block4 with 12 accumulators: fits 16 vector registers.
+    # x: (Mp, K) f32; w0..w2: (K,) weight rows n0..n2 as stored; out: (Mp, N) f32; bias: (N,)
+    # f32 or (0,). `_block4` with 3 weight rows: 12 accumulators fit 16 vector registers.
     x0 = x[m0]
     x1 = x[m0 + 1]
     x2 = x[m0 + 2]
     x3 = x[m0 + 3]
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0)
-    a20 = a21 = a22 = a23 = np.float32(0)
-    for k in range(x.shape[1]):
-        u0 = widen(w0[k])
-        u1 = widen(w1[k])
-        u2 = widen(w2[k])
-        p = x0[k]
-        a00 += p * u0
-        a10 += p * u1
-        a20 += p * u2
-        p = x1[k]
-        a01 += p * u0
-        a11 += p * u1
-        a21 += p * u2
-        p = x2[k]
-        a02 += p * u0
-        a12 += p * u1
-        a22 += p * u2
-        p = x3[k]
-        a03 += p * u0
-        a13 += p * u1
-        a23 += p * u2
-    if bias.shape[0]:
-        a00 += bias[n0]
-        a01 += bias[n0]
-        a02 += bias[n0]
-        a03 += bias[n0]
-        a10 += bias[n1]
-        a11 += bias[n1]
-        a12 += bias[n1]
-        a13 += bias[n1]
-        a20 += bias[n2]
-        a21 += bias[n2]
-        a22 += bias[n2]
-        a23 += bias[n2]
-    out[m0, n0] = a00
-    out[m0 + 1, n0] = a01
-    out[m0 + 2, n0] = a02
-    out[m0 + 3, n0] = a03
-    out[m0, n1] = a10
-    out[m0 + 1, n1] = a11
-    out[m0 + 2, n1] = a12
-    out[m0 + 3, n1] = a13
-    out[m0, n2] = a20
-    out[m0 + 1, n2] = a21
-    out[m0 + 2, n2] = a22
-    out[m0 + 3, n2] = a23
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = lanes.zeros()
+    a20 = a21 = a22 = a23 = lanes.zeros()
+    length = x.shape[1]
+    full = lanes.whole(length)
+    for k in range(0, full, LANES):
+        u0 = lanes.load(w0, k)
+        u1 = lanes.load(w1, k)
+        u2 = lanes.load(w2, k)
+        p = lanes.load(x0, k)
+        a00 = lanes.fma(p, u0, a00)
+        a10 = lanes.fma(p, u1, a10)
+        a20 = lanes.fma(p, u2, a20)
+        p = lanes.load(x1, k)
+        a01 = lanes.fma(p, u0, a01)
+        a11 = lanes.fma(p, u1, a11)
+        a21 = lanes.fma(p, u2, a21)
+        p = lanes.load(x2, k)
+        a02 = lanes.fma(p, u0, a02)
+        a12 = lanes.fma(p, u1, a12)
+        a22 = lanes.fma(p, u2, a22)
+        p = lanes.load(x3, k)
+        a03 = lanes.fma(p, u0, a03)
+        a13 = lanes.fma(p, u1, a13)
+        a23 = lanes.fma(p, u2, a23)
+    if full < length:
+        a00, a01, a02, a03 = _tail4(a00, a01, a02, a03, x0, x1, x2, x3, w0, full)
+        a10, a11, a12, a13 = _tail4(a10, a11, a12, a13, x0, x1, x2, x3, w1, full)
+        a20, a21, a22, a23 = _tail4(a20, a21, a22, a23, x0, x1, x2, x3, w2, full)
+    _store4(out, m0, n0, a00, a01, a02, a03, bias)
+    _store4(out, m0, n1, a10, a11, a12, a13, bias)
+    _store4(out, m0, n2, a20, a21, a22, a23, bias)
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(inline="always")
 def _block8x2(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
-    # x: (>= 2, K) f32; weight rows r0 + j * rs (j < 8) of w: (N', K) f32 into output columns
-    # c0 + j * cs of out: (>= 2, N) f32; bias: (N,) f32 or (0,). Same dot product as _block4.
+    # x: (>= 2, K) f32; weight rows r0 + j * rs (j < 8) of w: (N', K) as stored into output
+    # columns c0 + j * cs of out: (>= 2, N) f32; bias: (N,) f32 or (0,). a<j> is token row 0,
+    # b<j> token row 1; each dot product in `lanes` order, as in `_block4`.
     x0 = x[0]
     x1 = x[1]
     w0, w1, w2, w3 = w[r0], w[r0 + rs], w[r0 + 2 * rs], w[r0 + 3 * rs]
     w4, w5, w6, w7 = w[r0 + 4 * rs], w[r0 + 5 * rs], w[r0 + 6 * rs], w[r0 + 7 * rs]
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0)
-    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.float32(0)
-    for k in range(x.shape[1]):
-        p = x0[k]
-        r = x1[k]
-        u = widen(w0[k])
-        a0 += p * u
-        b0 += r * u
-        u = widen(w1[k])
-        a1 += p * u
-        b1 += r * u
-        u = widen(w2[k])
-        a2 += p * u
-        b2 += r * u
-        u = widen(w3[k])
-        a3 += p * u
-        b3 += r * u
-        u = widen(w4[k])
-        a4 += p * u
-        b4 += r * u
-        u = widen(w5[k])
-        a5 += p * u
-        b5 += r * u
-        u = widen(w6[k])
-        a6 += p * u
-        b6 += r * u
-        u = widen(w7[k])
-        a7 += p * u
-        b7 += r * u
-    if bias.shape[0]:
-        a0 += bias[c0]
-        b0 += bias[c0]
-        a1 += bias[c0 + 1 * cs]
-        b1 += bias[c0 + 1 * cs]
-        a2 += bias[c0 + 2 * cs]
-        b2 += bias[c0 + 2 * cs]
-        a3 += bias[c0 + 3 * cs]
-        b3 += bias[c0 + 3 * cs]
-        a4 += bias[c0 + 4 * cs]
-        b4 += bias[c0 + 4 * cs]
-        a5 += bias[c0 + 5 * cs]
-        b5 += bias[c0 + 5 * cs]
-        a6 += bias[c0 + 6 * cs]
-        b6 += bias[c0 + 6 * cs]
-        a7 += bias[c0 + 7 * cs]
-        b7 += bias[c0 + 7 * cs]
-    out[0, c0] = a0
-    out[1, c0] = b0
-    out[0, c0 + 1 * cs] = a1
-    out[1, c0 + 1 * cs] = b1
-    out[0, c0 + 2 * cs] = a2
-    out[1, c0 + 2 * cs] = b2
-    out[0, c0 + 3 * cs] = a3
-    out[1, c0 + 3 * cs] = b3
-    out[0, c0 + 4 * cs] = a4
-    out[1, c0 + 4 * cs] = b4
-    out[0, c0 + 5 * cs] = a5
-    out[1, c0 + 5 * cs] = b5
-    out[0, c0 + 6 * cs] = a6
-    out[1, c0 + 6 * cs] = b6
-    out[0, c0 + 7 * cs] = a7
-    out[1, c0 + 7 * cs] = b7
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = lanes.zeros()
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = lanes.zeros()
+    length = x.shape[1]
+    full = lanes.whole(length)
+    for k in range(0, full, LANES):
+        p = lanes.load(x0, k)
+        r = lanes.load(x1, k)
+        u = lanes.load(w0, k)
+        a0 = lanes.fma(p, u, a0)
+        b0 = lanes.fma(r, u, b0)
+        u = lanes.load(w1, k)
+        a1 = lanes.fma(p, u, a1)
+        b1 = lanes.fma(r, u, b1)
+        u = lanes.load(w2, k)
+        a2 = lanes.fma(p, u, a2)
+        b2 = lanes.fma(r, u, b2)
+        u = lanes.load(w3, k)
+        a3 = lanes.fma(p, u, a3)
+        b3 = lanes.fma(r, u, b3)
+        u = lanes.load(w4, k)
+        a4 = lanes.fma(p, u, a4)
+        b4 = lanes.fma(r, u, b4)
+        u = lanes.load(w5, k)
+        a5 = lanes.fma(p, u, a5)
+        b5 = lanes.fma(r, u, b5)
+        u = lanes.load(w6, k)
+        a6 = lanes.fma(p, u, a6)
+        b6 = lanes.fma(r, u, b6)
+        u = lanes.load(w7, k)
+        a7 = lanes.fma(p, u, a7)
+        b7 = lanes.fma(r, u, b7)
+    if full < length:
+        a0, b0 = _tail2(a0, b0, x0, x1, w0, full)
+        a1, b1 = _tail2(a1, b1, x0, x1, w1, full)
+        a2, b2 = _tail2(a2, b2, x0, x1, w2, full)
+        a3, b3 = _tail2(a3, b3, x0, x1, w3, full)
+        a4, b4 = _tail2(a4, b4, x0, x1, w4, full)
+        a5, b5 = _tail2(a5, b5, x0, x1, w5, full)
+        a6, b6 = _tail2(a6, b6, x0, x1, w6, full)
+        a7, b7 = _tail2(a7, b7, x0, x1, w7, full)
+    _store2(out, 0, c0, a0, b0, bias)
+    _store2(out, 0, c0 + cs, a1, b1, bias)
+    _store2(out, 0, c0 + 2 * cs, a2, b2, bias)
+    _store2(out, 0, c0 + 3 * cs, a3, b3, bias)
+    _store2(out, 0, c0 + 4 * cs, a4, b4, bias)
+    _store2(out, 0, c0 + 5 * cs, a5, b5, bias)
+    _store2(out, 0, c0 + 6 * cs, a6, b6, bias)
+    _store2(out, 0, c0 + 7 * cs, a7, b7, bias)
 
 
-@njit(fastmath=FASTMATH, inline="always")
-def _block16x1(x0, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
-    # x0: (K,) f32, the step's one row; weight rows r0 + j * rs (j < 16) of w: (N', K) f32 into
-    # output columns c0 + j * cs of out: (>= 1, N) f32; bias: (N,) f32 or (0,). Same dot product
-    # as _block4: 16 accumulators, so LLVM vectorises each one alike (checked: `one_row_exact`).
-    w0, w1, w2, w3 = w[r0], w[r0 + rs], w[r0 + 2 * rs], w[r0 + 3 * rs]
-    w4, w5, w6, w7 = w[r0 + 4 * rs], w[r0 + 5 * rs], w[r0 + 6 * rs], w[r0 + 7 * rs]
-    w8, w9, w10, w11 = w[r0 + 8 * rs], w[r0 + 9 * rs], w[r0 + 10 * rs], w[r0 + 11 * rs]
-    w12, w13, w14, w15 = w[r0 + 12 * rs], w[r0 + 13 * rs], w[r0 + 14 * rs], w[r0 + 15 * rs]
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0)
-    a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = np.float32(0)
-    for k in range(x0.shape[0]):
-        p = x0[k]
-        a0 += p * widen(w0[k])
-        a1 += p * widen(w1[k])
-        a2 += p * widen(w2[k])
-        a3 += p * widen(w3[k])
-        a4 += p * widen(w4[k])
-        a5 += p * widen(w5[k])
-        a6 += p * widen(w6[k])
-        a7 += p * widen(w7[k])
-        a8 += p * widen(w8[k])
-        a9 += p * widen(w9[k])
-        a10 += p * widen(w10[k])
-        a11 += p * widen(w11[k])
-        a12 += p * widen(w12[k])
-        a13 += p * widen(w13[k])
-        a14 += p * widen(w14[k])
-        a15 += p * widen(w15[k])
-    if bias.shape[0]:
-        a0 += bias[c0]
-        a1 += bias[c0 + cs]
-        a2 += bias[c0 + 2 * cs]
-        a3 += bias[c0 + 3 * cs]
-        a4 += bias[c0 + 4 * cs]
-        a5 += bias[c0 + 5 * cs]
-        a6 += bias[c0 + 6 * cs]
-        a7 += bias[c0 + 7 * cs]
-        a8 += bias[c0 + 8 * cs]
-        a9 += bias[c0 + 9 * cs]
-        a10 += bias[c0 + 10 * cs]
-        a11 += bias[c0 + 11 * cs]
-        a12 += bias[c0 + 12 * cs]
-        a13 += bias[c0 + 13 * cs]
-        a14 += bias[c0 + 14 * cs]
-        a15 += bias[c0 + 15 * cs]
-    out[0, c0] = a0
-    out[0, c0 + cs] = a1
-    out[0, c0 + 2 * cs] = a2
-    out[0, c0 + 3 * cs] = a3
-    out[0, c0 + 4 * cs] = a4
-    out[0, c0 + 5 * cs] = a5
-    out[0, c0 + 6 * cs] = a6
-    out[0, c0 + 7 * cs] = a7
-    out[0, c0 + 8 * cs] = a8
-    out[0, c0 + 9 * cs] = a9
-    out[0, c0 + 10 * cs] = a10
-    out[0, c0 + 11 * cs] = a11
-    out[0, c0 + 12 * cs] = a12
-    out[0, c0 + 13 * cs] = a13
-    out[0, c0 + 14 * cs] = a14
-    out[0, c0 + 15 * cs] = a15
+@njit
+def _tail2(a, b, x0, x1, w, full):  # pragma: no cover - compiled
+    # The tail of one weight row's dot products with 2 token rows (`lanes.fma_tail`).
+    return lanes.fma_tail(a, x0, w, full), lanes.fma_tail(b, x1, w, full)
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(inline="always")
+def _store2(out, m0, n, a, b, bias):  # pragma: no cover - compiled
+    # Output column n of token rows m0 and m0 + 1.
+    out[m0, n] = lanes.finish(a, bias, n)
+    out[m0 + 1, n] = lanes.finish(b, bias, n)
+
+
+@njit
+def _tail1x4(a0, a1, a2, a3, x, w0, w1, w2, w3, full):  # pragma: no cover - compiled
+    # The tail of one token row's dot products with 4 weight rows (`lanes.fma_tail`).
+    return (lanes.fma_tail(a0, x, w0, full), lanes.fma_tail(a1, x, w1, full),
+            lanes.fma_tail(a2, x, w2, full), lanes.fma_tail(a3, x, w3, full))
+
+
+@njit(inline="always")
+def _store1x4(out, m, c0, cs, a0, a1, a2, a3, bias):  # pragma: no cover - compiled
+    # Output columns c0, c0 + cs, c0 + 2 cs, c0 + 3 cs of token row m.
+    out[m, c0] = lanes.finish(a0, bias, c0)
+    out[m, c0 + cs] = lanes.finish(a1, bias, c0 + cs)
+    out[m, c0 + 2 * cs] = lanes.finish(a2, bias, c0 + 2 * cs)
+    out[m, c0 + 3 * cs] = lanes.finish(a3, bias, c0 + 3 * cs)
+
+
+@njit(inline="always")
 def _block12x1(x, m0, w, c0, ci, cj, out, bias):  # pragma: no cover - compiled
     # Token row m0 of x: (Mp, K) f32 against weight rows n = c0 + i * ci + j * cj (i < 4,
-    # j < 3) of w: (N, K) into output columns n of out: (Mp, N) f32; bias: (N,) f32 or (0,).
-    # The 3x4 block's dot product with 12 accumulators (`remainder_rows_exact`).
+    # j < 3) of w: (N, K) as stored into output columns n of out: (Mp, N) f32; bias: (N,) f32
+    # or (0,). 12 accumulators, each dot product in `lanes` order.
     x0 = x[m0]
     c1, c2 = c0 + cj, c0 + 2 * cj
-    n0, n1, n2, n3 = c0, c0 + ci, c0 + 2 * ci, c0 + 3 * ci
-    n4, n5, n6, n7 = c1, c1 + ci, c1 + 2 * ci, c1 + 3 * ci
-    n8, n9, n10, n11 = c2, c2 + ci, c2 + 2 * ci, c2 + 3 * ci
-    w0, w1, w2, w3 = w[n0], w[n1], w[n2], w[n3]
-    w4, w5, w6, w7 = w[n4], w[n5], w[n6], w[n7]
-    w8, w9, w10, w11 = w[n8], w[n9], w[n10], w[n11]
-    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = np.float32(0)
-    for k in range(x.shape[1]):
-        p = x0[k]
-        a0 += p * widen(w0[k])
-        a1 += p * widen(w1[k])
-        a2 += p * widen(w2[k])
-        a3 += p * widen(w3[k])
-        a4 += p * widen(w4[k])
-        a5 += p * widen(w5[k])
-        a6 += p * widen(w6[k])
-        a7 += p * widen(w7[k])
-        a8 += p * widen(w8[k])
-        a9 += p * widen(w9[k])
-        a10 += p * widen(w10[k])
-        a11 += p * widen(w11[k])
-    if bias.shape[0]:
-        a0 += bias[n0]
-        a1 += bias[n1]
-        a2 += bias[n2]
-        a3 += bias[n3]
-        a4 += bias[n4]
-        a5 += bias[n5]
-        a6 += bias[n6]
-        a7 += bias[n7]
-        a8 += bias[n8]
-        a9 += bias[n9]
-        a10 += bias[n10]
-        a11 += bias[n11]
-    out[m0, n0] = a0
-    out[m0, n1] = a1
-    out[m0, n2] = a2
-    out[m0, n3] = a3
-    out[m0, n4] = a4
-    out[m0, n5] = a5
-    out[m0, n6] = a6
-    out[m0, n7] = a7
-    out[m0, n8] = a8
-    out[m0, n9] = a9
-    out[m0, n10] = a10
-    out[m0, n11] = a11
+    w0, w1, w2, w3 = w[c0], w[c0 + ci], w[c0 + 2 * ci], w[c0 + 3 * ci]
+    w4, w5, w6, w7 = w[c1], w[c1 + ci], w[c1 + 2 * ci], w[c1 + 3 * ci]
+    w8, w9, w10, w11 = w[c2], w[c2 + ci], w[c2 + 2 * ci], w[c2 + 3 * ci]
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = lanes.zeros()
+    length = x.shape[1]
+    full = lanes.whole(length)
+    for k in range(0, full, LANES):
+        p = lanes.load(x0, k)
+        a0 = lanes.fma(p, lanes.load(w0, k), a0)
+        a1 = lanes.fma(p, lanes.load(w1, k), a1)
+        a2 = lanes.fma(p, lanes.load(w2, k), a2)
+        a3 = lanes.fma(p, lanes.load(w3, k), a3)
+        a4 = lanes.fma(p, lanes.load(w4, k), a4)
+        a5 = lanes.fma(p, lanes.load(w5, k), a5)
+        a6 = lanes.fma(p, lanes.load(w6, k), a6)
+        a7 = lanes.fma(p, lanes.load(w7, k), a7)
+        a8 = lanes.fma(p, lanes.load(w8, k), a8)
+        a9 = lanes.fma(p, lanes.load(w9, k), a9)
+        a10 = lanes.fma(p, lanes.load(w10, k), a10)
+        a11 = lanes.fma(p, lanes.load(w11, k), a11)
+    if full < length:
+        a0, a1, a2, a3 = _tail1x4(a0, a1, a2, a3, x0, w0, w1, w2, w3, full)
+        a4, a5, a6, a7 = _tail1x4(a4, a5, a6, a7, x0, w4, w5, w6, w7, full)
+        a8, a9, a10, a11 = _tail1x4(a8, a9, a10, a11, x0, w8, w9, w10, w11, full)
+    _store1x4(out, m0, c0, ci, a0, a1, a2, a3, bias)
+    _store1x4(out, m0, c1, ci, a4, a5, a6, a7, bias)
+    _store1x4(out, m0, c2, ci, a8, a9, a10, a11, bias)
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(inline="always")
 def _block6x2(x, m0, w, c0, ci, cj, out, bias):  # pragma: no cover - compiled
     # Token rows m0, m0 + 1 of x: (Mp, K) f32 against weight rows n = c0 + i * ci + j * cj
     # (i < 2, j < 3) of w into output columns n of out; as `_block12x1`, 12 accumulators.
@@ -453,53 +345,43 @@ def _block6x2(x, m0, w, c0, ci, cj, out, bias):  # pragma: no cover - compiled
     c1, c2 = c0 + cj, c0 + 2 * cj
     n0, n1, n2, n3, n4, n5 = c0, c0 + ci, c1, c1 + ci, c2, c2 + ci
     w0, w1, w2, w3, w4, w5 = w[n0], w[n1], w[n2], w[n3], w[n4], w[n5]
-    a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = np.float32(0)
-    for k in range(x.shape[1]):
-        p = x0[k]
-        r = x1[k]
-        u = widen(w0[k])
-        a0 += p * u
-        b0 += r * u
-        u = widen(w1[k])
-        a1 += p * u
-        b1 += r * u
-        u = widen(w2[k])
-        a2 += p * u
-        b2 += r * u
-        u = widen(w3[k])
-        a3 += p * u
-        b3 += r * u
-        u = widen(w4[k])
-        a4 += p * u
-        b4 += r * u
-        u = widen(w5[k])
-        a5 += p * u
-        b5 += r * u
-    if bias.shape[0]:
-        a0 += bias[n0]
-        b0 += bias[n0]
-        a1 += bias[n1]
-        b1 += bias[n1]
-        a2 += bias[n2]
-        b2 += bias[n2]
-        a3 += bias[n3]
-        b3 += bias[n3]
-        a4 += bias[n4]
-        b4 += bias[n4]
-        a5 += bias[n5]
-        b5 += bias[n5]
-    out[m0, n0] = a0
-    out[m0 + 1, n0] = b0
-    out[m0, n1] = a1
-    out[m0 + 1, n1] = b1
-    out[m0, n2] = a2
-    out[m0 + 1, n2] = b2
-    out[m0, n3] = a3
-    out[m0 + 1, n3] = b3
-    out[m0, n4] = a4
-    out[m0 + 1, n4] = b4
-    out[m0, n5] = a5
-    out[m0 + 1, n5] = b5
+    a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = lanes.zeros()
+    length = x.shape[1]
+    full = lanes.whole(length)
+    for k in range(0, full, LANES):
+        p = lanes.load(x0, k)
+        r = lanes.load(x1, k)
+        u = lanes.load(w0, k)
+        a0 = lanes.fma(p, u, a0)
+        b0 = lanes.fma(r, u, b0)
+        u = lanes.load(w1, k)
+        a1 = lanes.fma(p, u, a1)
+        b1 = lanes.fma(r, u, b1)
+        u = lanes.load(w2, k)
+        a2 = lanes.fma(p, u, a2)
+        b2 = lanes.fma(r, u, b2)
+        u = lanes.load(w3, k)
+        a3 = lanes.fma(p, u, a3)
+        b3 = lanes.fma(r, u, b3)
+        u = lanes.load(w4, k)
+        a4 = lanes.fma(p, u, a4)
+        b4 = lanes.fma(r, u, b4)
+        u = lanes.load(w5, k)
+        a5 = lanes.fma(p, u, a5)
+        b5 = lanes.fma(r, u, b5)
+    if full < length:
+        a0, b0 = _tail2(a0, b0, x0, x1, w0, full)
+        a1, b1 = _tail2(a1, b1, x0, x1, w1, full)
+        a2, b2 = _tail2(a2, b2, x0, x1, w2, full)
+        a3, b3 = _tail2(a3, b3, x0, x1, w3, full)
+        a4, b4 = _tail2(a4, b4, x0, x1, w4, full)
+        a5, b5 = _tail2(a5, b5, x0, x1, w5, full)
+    _store2(out, m0, n0, a0, b0, bias)
+    _store2(out, m0, n1, a1, b1, bias)
+    _store2(out, m0, n2, a2, b2, bias)
+    _store2(out, m0, n3, a3, b3, bias)
+    _store2(out, m0, n4, a4, b4, bias)
+    _store2(out, m0, n5, a5, b5, bias)
 
 
 @njit(inline="always")
@@ -512,7 +394,7 @@ def _split_rows(rows, remainders):  # pragma: no cover - compiled
     return padded, 0
 
 
-@njit(fastmath=FASTMATH, inline="always")
+@njit(inline="always")
 def _remainder(x, w, first, last, third, m0, rest, out, bias):  # pragma: no cover - compiled
     # Rows m0 .. m0 + rest - 1 (rest 1 or 2) for the weight-row groups q in [first, last) of a
     # panel (weight rows and output columns q, q + third, q + 2 * third). A group left over
@@ -531,7 +413,7 @@ def _remainder(x, w, first, last, third, m0, rest, out, bias):  # pragma: no cov
         q += 1
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True)
 def linear4x4(x, w, bias, out, rows):  # pragma: no cover - compiled
     """x: (Mp, K) f32, w: (N, K) as stored (float32, or 16-bit float bits: `widen`), bias:
     (N,) or (0,) f32, out: (Mp, N) f32; the first ``rows`` rows (a multiple of 4, <= Mp) are
@@ -548,7 +430,7 @@ def linear4x4(x, w, bias, out, rows):  # pragma: no cover - compiled
             _block1(x, m0, w[n], out, n, bias)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True)
 def linear8x2(x, w, bias, out):  # pragma: no cover - compiled
     """`linear4x4` for steps of 1 or 2 rows: x: (>= 2, K) f32, out: (>= 2, N) f32, N a
     multiple of 8; output columns q, q + N/8, ..., q + 7N/8 computed together."""
@@ -559,18 +441,7 @@ def linear8x2(x, w, bias, out):  # pragma: no cover - compiled
             _block8x2(x, w, q, eighth, out, q, eighth, bias)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
-def linear16x1(x, w, bias, out):  # pragma: no cover - compiled
-    """`linear4x4` for steps of one row: x: (>= 1, K) f32, out: (>= 1, N) f32, N a multiple
-    of 16; output columns q, q + N/16, ..., q + 15N/16 computed together."""
-    sixteenth = w.shape[0] // ONE_COL_BLOCK
-    tasks = -(-sixteenth // CHUNK)
-    for task in prange(tasks):
-        for q in range(task * CHUNK, min(sixteenth, (task + 1) * CHUNK)):
-            _block16x1(x[0], w, q, sixteenth, out, q, sixteenth, bias)
-
-
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True)
 def linear3x4(x, w, bias, out, rows, remainders):  # pragma: no cover - compiled
     """`linear4x4` on the 3x4 block: weight rows q, q + N/3, q + 2N/3 together, in panels of
     `PANEL` such groups (one parallel task each) looped inside each 4-row block of tokens.
@@ -592,7 +463,7 @@ def linear3x4(x, w, bias, out, rows, remainders):  # pragma: no cover - compiled
             _block1(x, m0, w[n], out, n, bias)
 
 
-@njit(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+@njit(parallel=True, cache=True, nogil=True)
 def linear3x4_few(x, w, bias, out):  # pragma: no cover - compiled
     """`linear3x4` for steps of 1 or 2 rows, without the 4-row block's padding: rows 0 and 1
     on the 6x2 block over weight rows q + i N/6 + j N/3 (i < 2, j < 3), six sequential
@@ -613,6 +484,11 @@ def linear3x4_few(x, w, bias, out):  # pragma: no cover - compiled
 NO_BIAS = np.zeros(0, np.float32)
 
 
+class KernelDefect(RuntimeError):
+    """Two register blocks gave different bits for one dot product: they all follow `lanes`
+    order, so this is a defect in a kernel, never a property of the machine."""
+
+
 class Linear:
     """One weight matrix in the model's own storage, ready for the kernels above."""
 
@@ -620,6 +496,7 @@ class Linear:
                  weight_rows: int | None = None):
         # weight: (N, K) float32 (a view of the model's tensor) or 16-bit float bit patterns
         # (bfloat16, or float16 with ``float16``), read as stored (`widen.storage`)
+        threads.start_pool()  # the checks below are parallel kernels: torch's thread count stays
         self.weight_rows = WEIGHT_ROWS if weight_rows is None else weight_rows
         """The register block: 4 (4x4, and 8x2 for 1-2 rows) or 3 (3x4 for every row count)."""
         if self.weight_rows not in (3, 4):
@@ -627,19 +504,17 @@ class Linear:
         self.weight = storage(weight, float16=float16)
         self.bias = NO_BIAS if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
         self.out_features, self.in_features = weight.shape
-        kind = _kind(self.weight)
-        self.two_rows = (self.weight_rows == 4 and self.out_features % SMALL_COL_BLOCK == 0
-                         and small_rows_exact(self.in_features, kind))
-        """Whether 1- and 2-row steps may use the 8x2 block (else they are padded to 4 rows)."""
-        self.one_row = (self.two_rows and self.out_features % ONE_COL_BLOCK == 0
-                        and one_row_exact(self.in_features, kind))
-        """Whether 1-row steps may use the 16x1 block (else they run as 2 rows)."""
-        self.few_rows = self.weight_rows == 3 and few_rows_exact(self.in_features, kind)
-        """Whether 1- and 2-row steps may use the 6x2 block (`linear3x4_few`; 3x4 path, else
-        they run as 4 rows)."""
-        self.remainders = self.weight_rows == 3 and remainder_rows_exact(self.in_features, kind)
-        """Whether the last 1 or 2 rows of a step past 4 rows may use the 12x1 / 6x2 block (3x4
-        block only; else the step is padded to a multiple of 4 rows)."""
+        if not blocks_agree(self.in_features, _kind(self.weight)):
+            raise KernelDefect(f"the register blocks give different bits for dot products of length "
+                               f"{self.in_features} ({_kind(self.weight)} weights): a kernel no longer "
+                               "follows `lanes` order")
+        self.two_rows = self.weight_rows == 4 and self.out_features % SMALL_COL_BLOCK == 0
+        """Whether 1- and 2-row steps use the 8x2 block (else they are padded to 4 rows)."""
+        self.few_rows = self.weight_rows == 3
+        """Whether 1- and 2-row steps use the 6x2 block (`linear3x4_few`; the 3x4 path)."""
+        self.remainders = self.weight_rows == 3
+        """Whether the last 1 or 2 rows of a step past 4 rows use the 12x1 / 6x2 block (the 3x4
+        path; the 4x4 block pads the step to a multiple of 4 rows)."""
 
     def __call__(self, x: np.ndarray, out: np.ndarray, rows: int) -> np.ndarray:
         """``out[:rows] = x[:rows] @ weight.T + bias`` for ``rows`` >= 1. The kernels compute
@@ -648,9 +523,7 @@ class Linear:
         need = self.computed_rows(rows)
         if len(x) < need or len(out) < need:  # the kernels do not check bounds
             raise ValueError(f"this layer computes a {rows}-row step as {need} rows: x and out need as many")
-        if rows == 1 and self.one_row:
-            linear16x1(x, self.weight, self.bias, out)
-        elif rows <= SMALL_ROWS and self.few_rows:
+        if rows <= SMALL_ROWS and self.few_rows:
             linear3x4_few(x, self.weight, self.bias, out)
         elif rows <= SMALL_ROWS and self.two_rows:
             linear8x2(x, self.weight, self.bias, out)
@@ -661,11 +534,9 @@ class Linear:
         return out
 
     def computed_rows(self, rows: int) -> int:
-        """Rows of buffer a ``rows``-row step touches: 1 on the 16x1 block, 2 on the 8x2 block,
-        else ``rows`` rounded up to a multiple of 4 (the 3x4 block's remainder blocks and
-        `linear3x4_few` compute fewer, in the same buffer)."""
-        if rows == 1 and self.one_row:
-            return 1
+        """Rows of buffer a ``rows``-row step touches: 2 on the 8x2 block, else ``rows``
+        rounded up to a multiple of 4 (the 3x4 block's remainder blocks and `linear3x4_few`
+        compute fewer, in the same buffer)."""
         if rows <= SMALL_ROWS and self.two_rows:
             return SMALL_ROWS
         return -(-rows // ROW_BLOCK) * ROW_BLOCK
@@ -696,16 +567,6 @@ def _four_rows(x: np.ndarray, stored: np.ndarray, bias: np.ndarray) -> np.ndarra
 
 
 @functools.cache
-def one_row_exact(in_features: int, kind: str = "float32") -> bool:
-    """Whether the 16x1 block gives, bit for bit, row 0 of what the 4x4 block gives (see
-    `small_rows_exact`)."""
-    stored, bias, x = _sample(in_features, 2 * ONE_COL_BLOCK, kind)
-    one = np.zeros((1, len(stored)), np.float32)
-    linear16x1(x, stored, bias, one)
-    return _four_rows(x, stored, bias)[0].tobytes() == one[0].tobytes()
-
-
-@functools.cache
 def few_rows_exact(in_features: int, kind: str = "float32") -> bool:
     """Whether `linear3x4_few` gives, bit for bit, rows 0 and 1 of a 4-row step on the 3x4
     block (see `small_rows_exact`), over two parallel tasks of 6x2 blocks, a leftover group
@@ -721,9 +582,8 @@ def few_rows_exact(in_features: int, kind: str = "float32") -> bool:
 @functools.cache
 def small_rows_exact(in_features: int, kind: str = "float32") -> bool:
     """Whether the 8x2 block gives, bit for bit, what the 4x4 block gives for dot products
-    of length ``in_features`` on this machine (``kind``: the weights' dtype name), checked on
-    random numbers. Both compile to the same arithmetic where LLVM vectorises both loops alike;
-    this is the check that they did, so the 2-row block can never change a result."""
+    of length ``in_features`` (``kind``: the weights' dtype name), on random numbers (one of
+    the checks `blocks_agree` runs)."""
     stored, bias, x = _sample(in_features, 2 * SMALL_COL_BLOCK, kind)
     two = np.zeros((SMALL_ROWS, len(stored)), np.float32)
     linear8x2(x, stored, bias, two)
@@ -733,7 +593,7 @@ def small_rows_exact(in_features: int, kind: str = "float32") -> bool:
 @functools.cache
 def remainder_rows_exact(in_features: int, kind: str = "float32") -> bool:
     """Whether the 12x1 and 6x2 blocks give, bit for bit, what the 3x4 block gives for dot
-    products of length ``in_features`` on this machine (see `small_rows_exact`): steps of 5
+    products of length ``in_features`` (see `small_rows_exact`): steps of 5
     and 6 rows (their last 1 and 2 rows on the remainder blocks) against the same rows of an
     8-row step (all on the 3x4 block), over a panel and a half of columns so the whole
     blocks, a leftover group and the last N mod 3 columns are all compared."""
@@ -746,3 +606,17 @@ def remainder_rows_exact(in_features: int, kind: str = "float32") -> bool:
         linear3x4(x, stored, bias, out, rows, remainders)
         results[rows] = out
     return all(results[rows][:rows].tobytes() == results[8][:rows].tobytes() for rows in (5, 6))
+
+
+@functools.cache
+def blocks_agree(in_features: int, kind: str = "float32") -> bool:
+    """Whether every register block gives the 4x4 block's bits on random dot products of
+    length ``in_features`` (``kind``: the weights' dtype name), both weight-row layouts and
+    the remainder blocks included. Every block follows `lanes` order, so this holds by
+    construction: `Linear` asserts it once per width and dtype, so a kernel edited out of
+    that order is refused at load instead of changing a logit."""
+    stored, bias, x = _sample(in_features, 3 * 4 * SMALL_COL_BLOCK + 2, kind)
+    four, three = _four_rows(x, stored, bias), np.zeros((ROW_BLOCK, len(stored)), np.float32)
+    linear3x4(x, stored, bias, three, ROW_BLOCK, False)
+    return (three.tobytes() == four.tobytes() and small_rows_exact(in_features, kind)
+            and few_rows_exact(in_features, kind) and remainder_rows_exact(in_features, kind))

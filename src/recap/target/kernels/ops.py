@@ -1,10 +1,11 @@
 """The small per-row operations of a decoder step, and tree attention.
 
 Each works on one row (or one (row, head) pair) at a time with a fixed order of operations,
-so a row's result never depends on the other rows of the step. Only dot products over a
-contiguous vector may be vectorised (``fastmath`` reassociation inside `_dot`, one
-compiled loop for every call); softmax, RoPE and SiLU keep IEEE order, and their ``exp`` is
-`exp32`, which vectorises. ``error_model="numpy"`` lets divisions vectorise too (a float
+so a row's result never depends on the other rows of the step, the machine or the thread
+count. Dot products and sums run in `lanes` order (a fixed number of partial sums, fused
+multiply-adds, a fixed final tree: no ``fastmath`` reassociation anywhere); softmax, RoPE and
+SiLU keep IEEE order element by element (vectorised across elements, which reorders
+nothing), and their ``exp`` is `exp32`, which vectorises. ``error_model="numpy"`` lets divisions vectorise too (a float
 division by zero gives inf instead of raising, which none of these can meet anyway).
 """
 
@@ -15,30 +16,20 @@ import functools
 import numpy as np
 from numba import njit, prange
 
+from recap.target.kernels import lanes
 from recap.target.kernels.exp import exp32
+from recap.target.kernels.lanes import LANES
 from recap.target.kernels.linear import NO_BIAS, _block3
 
-FASTMATH = {"reassoc", "contract"}
 KEY_BLOCK = 3
 """Keys scored together by `_quad_scores` (the 3x4 block of the linear layers: 3 keys x 4
 queries), at positions 3b, 3b + 1, 3b + 2 of every query's key sequence."""
 
 
-@njit(fastmath=FASTMATH, cache=True)
-def _dot(a, b):  # pragma: no cover - compiled
-    # a, b: (D,) f32 -> f32
-    s = np.float32(0)
-    for d in range(a.shape[0]):
-        s += a[d] * b[d]
-    return s
-
-
-@njit(fastmath=FASTMATH, cache=True)
+@njit(inline="always")
 def _sum_squares(a):  # pragma: no cover - compiled
-    s = np.float32(0)
-    for d in range(a.shape[0]):
-        s += a[d] * a[d]
-    return s
+    # a: (D,) f32 -> a . a, in `lanes.dot`'s order
+    return lanes.dot(a, a)
 
 
 @njit(cache=True, nogil=True)
@@ -120,7 +111,7 @@ def tree_attention(q, keys, values, past, starts, ancestors, scale, out, rows): 
         scores = np.empty(length, np.float32)
         top = -np.inf
         for j in range(length):
-            s = _dot(query, keys[g, _key_slot(j, past, ancestors, first)]) * np.float32(scale)
+            s = lanes.dot(query, keys[g, _key_slot(j, past, ancestors, first)]) * np.float32(scale)
             scores[j] = s
             top = max(top, s)
         peak = np.float32(top)
@@ -138,26 +129,31 @@ def tree_attention(q, keys, values, past, starts, ancestors, scale, out, rows): 
         out[i, h * dim : (h + 1) * dim] = acc
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _sum32(a):  # pragma: no cover - compiled
-    # a: (L,) f32 -> f32, vectorised like `_dot` (one compiled loop for every call, so the
-    # order depends on the length alone): the softmax total of quad attention
-    s = np.float32(0)
-    for j in range(a.shape[0]):
-        s += a[j]
-    return s
+    # a: (L,) f32 -> its sum in `lanes` order (lane j % LANES holds a[j], added in order of
+    # j; then the fixed tree): the softmax total of quad attention
+    acc = lanes.zeros()
+    length = a.shape[0]
+    full = lanes.whole(length)
+    for j in range(0, full, LANES):
+        acc = lanes.add(acc, lanes.load(a, j))
+    for j in range(full, length):
+        acc = lanes.with_lane(acc, j - full, lanes.lane(acc, j - full) + a[j])
+    return lanes.total(acc)
 
 
 @njit(fastmath={"nnan", "nsz"}, cache=True, nogil=True)
 def _max32(a):  # pragma: no cover - compiled
-    # a: (L >= 1,) f32 -> its maximum (exact in any order; vectorised on finite scores)
+    # a: (L >= 1,) f32 -> its maximum: the same value in any order (vectorised on finite
+    # scores; only a zero's sign could follow the order, and exp32(s - peak) cannot see it)
     top = a[0]
     for j in range(1, a.shape[0]):
         top = max(top, a[j])
     return top
 
 
-@njit(fastmath=FASTMATH, cache=True, nogil=True)
+@njit(cache=True, nogil=True)
 def _quad_scores(queries, keys, past, lengths, firsts, ancestors, units, b, scores):  # pragma: no cover - compiled
     """``scores[u, j] = queries[u] . (key j of query u)``, unscaled, for the 4 queries u of
     quad ``b`` and j < lengths[u]. queries: (Up, D) f32, one kv head's query vectors; keys:
@@ -169,8 +165,9 @@ def _quad_scores(queries, keys, past, lengths, firsts, ancestors, units, b, scor
     them); the rest (the prefix's last partial block, the query's own path) run per query
     on its own keys, the other slots idle. Key j's score is thus the same in a tree as in
     the one-token step at the node's position (where key j may be a cached one, computed
-    by the shared loop), provided the block gives a query the same bits in each of its 4
-    slots and in both loops: `block_slots_exact` checks both before this is used."""
+    by the shared loop): the block computes each of its 12 dot products in `lanes` order, so
+    a query gets the same bits in each of its 4 slots and in both loops (`block_slots_exact`
+    asserts it)."""
     shared = past - past % KEY_BLOCK
     for j in range(0, shared, KEY_BLOCK):
         _block3(queries, 4 * b, keys[j], keys[j + 1], keys[j + 2], scores, j, j + 1, j + 2, NO_BIAS)
@@ -271,20 +268,25 @@ def quad_attention(q, keys, values, past, lengths, firsts, ancestors, scale, out
 class QuadAttention:
     """Attention by `quad_attention`, for models with at least `MIN_GROUPS` query heads per kv
     head (a one-token step then fills most of a quad's slots; with fewer, the idle slots
-    cost more than sharing saves) where `block_slots_exact` holds. Whether it is used
-    depends on the model and the machine only, never on a step's row count, so a tree and a
-    plain step always share arithmetic. A step first makes one `plan` per request (the
-    queries' key counts, scratch views); every layer then runs on it."""
+    cost more than sharing saves). Whether it is used depends on the model only, never on a
+    step's row count or the machine, so a tree and a plain step always share arithmetic. A
+    step first makes one `plan` per request (the queries' key counts, scratch views); every
+    layer then runs on it."""
 
     MIN_GROUPS = 3
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int):
+        from recap.target.kernels.linear import KernelDefect
+
+        if not block_slots_exact(head_dim):
+            raise KernelDefect(f"quad attention gives a query other bits in another slot (head size {head_dim}): "
+                               "its score block no longer follows `lanes` order")
         self.groups, self.kv_heads, self.head_dim = heads // kv_heads, kv_heads, head_dim
         self._memory = np.zeros(0, np.float32)
 
     @classmethod
     def suits(cls, heads: int, kv_heads: int, head_dim: int) -> bool:
-        return heads // kv_heads >= cls.MIN_GROUPS and block_slots_exact(head_dim)
+        return heads // kv_heads >= cls.MIN_GROUPS
 
     def plan(self, past: int, starts: np.ndarray, rows: int) -> tuple:
         """For a step of ``rows`` packed nodes after ``past`` cached tokens (``starts`` as
@@ -316,9 +318,9 @@ class QuadAttention:
 @functools.cache
 def block_slots_exact(head_dim: int) -> bool:
     """Whether `_quad_scores` gives a query the same bits in each of its 4 slots, and in its
-    shared loop as in its per-query loop, for dot products of length ``head_dim`` on this
-    machine (random numbers). Both loops inline the same block, whose 12 accumulators LLVM
-    compiles alike where it vectorises them alike: this checks that it did."""
+    shared loop as in its per-query loop, for dot products of length ``head_dim`` (random
+    numbers). Both loops inline the same block in `lanes` order, so this holds by
+    construction; `QuadAttention` asserts it, so an edited block is refused, not used."""
     rng = np.random.default_rng(head_dim)
     x = rng.standard_normal((4, head_dim), dtype=np.float32)
     keys = rng.standard_normal((2 * KEY_BLOCK, head_dim), dtype=np.float32)
