@@ -26,7 +26,7 @@ from numba.extending import intrinsic  # noqa: E402
 
 import recap  # noqa: E402
 from recap.core import DraftTree  # noqa: E402
-from recap.target.kernels import lanes  # noqa: E402
+from recap.target.kernels import lanes, linear  # noqa: E402
 from recap.target.kernels.linear import _block3  # noqa: E402
 
 
@@ -56,7 +56,8 @@ def _probe(x, w, out):  # pragma: no cover - compiled
 
 
 def compiled() -> dict:
-    """The target numba compiled for, and the vector registers a register block's code uses."""
+    """The target numba compiled for, the vector registers a register block's code uses, and
+    the weight-row layout the layers picked for it."""
     x, w = np.ones((4, 64), np.float32), np.ones((3, 64), np.float32)
     _probe(x, w, np.zeros((4, 3), np.float32))
     code = "\n".join(_probe.inspect_asm().values())
@@ -64,7 +65,8 @@ def compiled() -> dict:
     registers = re.findall(r"%([xyz]mm)(\d+)", code)
     return {"cpu": codegen._get_host_cpu_name(), "features": codegen._tm_features,
             "registers": sorted({kind for kind, _ in registers}),
-            "register_numbers": sorted({int(number) for _, number in registers}), "fma": "vfmadd" in code}
+            "register_numbers": sorted({int(number) for _, number in registers}), "fma": "vfmadd" in code,
+            "weight_rows": linear.WEIGHT_ROWS}
 
 
 @intrinsic

@@ -63,8 +63,9 @@ def test_an_avx2_build_gives_the_native_logits(native, tmp_path):
     assert compiled["cpu"] == "znver3" and "-avx512f" in compiled["features"]
     assert compiled["fma"] and "ymm" in compiled["registers"] and "zmm" not in compiled["registers"]
     assert max(compiled["register_numbers"]) < 16  # no EVEX-only register: AVX2 code
-    if host.get("avx512f"):  # the native build is AVX-512 code
-        assert "+avx512f" in native["compiled"]["features"]
+    assert compiled["weight_rows"] == 3  # and the 16-register layout: 3x4, remainder and few-rows blocks
+    if host.get("avx512f"):  # the native build is AVX-512 code on the 4x4 / 8x2 layout
+        assert "+avx512f" in native["compiled"]["features"] and native["compiled"]["weight_rows"] == 4
     assert avx2["logits"] == native["logits"]
 
 
@@ -72,6 +73,7 @@ def test_a_baseline_x86_64_build_gives_the_native_logits(native, tmp_path):
     generic = _run(TINY, tmp_path, NUMBA_CPU_NAME="generic")
     compiled = generic["compiled"]
     assert compiled["cpu"] == "generic" and not compiled["fma"] and compiled["registers"] == ["xmm"]
+    assert compiled["weight_rows"] == 3
     assert generic["logits"] == {name: native["logits"][name] for name in TINY}
 
 

@@ -194,6 +194,19 @@ def total(typingctx, v):  # pragma: no cover - compiled
     return types.float32(v), codegen
 
 
+@intrinsic
+def keep_rolled(typingctx):  # pragma: no cover - compiled
+    """A no-op that keeps the loop holding it rolled: LLVM does not runtime-unroll a loop with
+    a convergent operation. Called first in every register block's loop over K: unrolled 4x,
+    the 3x4 block's 4-row step ran 10% slower than one group of lanes per pass (AVX2 code,
+    docs/kernels.md); the order of the sums is the same either way."""
+    def codegen(context, builder, signature, args):
+        call = builder.asm(ir.FunctionType(ir.VoidType(), []), "", "", [], side_effect=True)
+        call.attributes.add("convergent")
+        return context.get_dummy_value()
+    return types.none(), codegen
+
+
 @njit
 def fma_tail(acc, x, w, start):  # pragma: no cover - compiled
     # not inlined by numba: inlining every block's tails tripled the kernels' compile time,

@@ -65,10 +65,14 @@ PANEL = 8
 
 
 def machine_weight_rows() -> int:
-    """Weight rows per register block for this CPU: 4 with 32 vector registers (AVX-512),
-    else 3 (16 registers: a 4x4 block's 24 live vectors would spill)."""
+    """Weight rows per register block for the CPU numba compiles for: 4 with 32 vector
+    registers (AVX-512), else 3 (16 registers: a 4x4 block's 24 live vectors would spill).
+    The host's features, or those ``NUMBA_CPU_FEATURES`` names (a build for another CPU)."""
     import llvmlite.binding as llvm
+    from numba.core import config
 
+    if config.CPU_FEATURES is not None:
+        return 4 if "+avx512f" in config.CPU_FEATURES.split(",") else 3
     return 4 if llvm.get_host_cpu_features().get("avx512f", False) else 3
 
 
@@ -99,6 +103,7 @@ def _block4(x, m0, w0, w1, w2, w3, out, n0, n1, n2, n3, bias):  # pragma: no cov
     length = x.shape[1]
     full = lanes.whole(length)
     for k in range(0, full, LANES):
+        lanes.keep_rolled()
         u0 = lanes.load(w0, k)
         u1 = lanes.load(w1, k)
         u2 = lanes.load(w2, k)
@@ -161,6 +166,7 @@ def _block1(x, m0, w0, out, n, bias):  # pragma: no cover - compiled
     length = x.shape[1]
     full = lanes.whole(length)
     for k in range(0, full, LANES):
+        lanes.keep_rolled()
         u = lanes.load(w0, k)
         a0 = lanes.fma(lanes.load(x0, k), u, a0)
         a1 = lanes.fma(lanes.load(x1, k), u, a1)
@@ -184,6 +190,7 @@ def _block3(x, m0, w0, w1, w2, out, n0, n1, n2, bias):  # pragma: no cover - com
     length = x.shape[1]
     full = lanes.whole(length)
     for k in range(0, full, LANES):
+        lanes.keep_rolled()
         u0 = lanes.load(w0, k)
         u1 = lanes.load(w1, k)
         u2 = lanes.load(w2, k)
@@ -226,6 +233,7 @@ def _block8x2(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
     length = x.shape[1]
     full = lanes.whole(length)
     for k in range(0, full, LANES):
+        lanes.keep_rolled()
         p = lanes.load(x0, k)
         r = lanes.load(x1, k)
         u = lanes.load(w0, k)
@@ -314,6 +322,7 @@ def _block12x1(x, m0, w, c0, ci, cj, out, bias):  # pragma: no cover - compiled
     length = x.shape[1]
     full = lanes.whole(length)
     for k in range(0, full, LANES):
+        lanes.keep_rolled()
         p = lanes.load(x0, k)
         a0 = lanes.fma(p, lanes.load(w0, k), a0)
         a1 = lanes.fma(p, lanes.load(w1, k), a1)
@@ -349,6 +358,7 @@ def _block6x2(x, m0, w, c0, ci, cj, out, bias):  # pragma: no cover - compiled
     length = x.shape[1]
     full = lanes.whole(length)
     for k in range(0, full, LANES):
+        lanes.keep_rolled()
         p = lanes.load(x0, k)
         r = lanes.load(x1, k)
         u = lanes.load(w0, k)
