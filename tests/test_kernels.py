@@ -18,7 +18,7 @@ from recap.target.kernels import lanes, ops, unsupported
 from recap.target.kernels import linear as kernel_linear
 from recap.target.kernels.exp import exp32
 from recap.target.kernels.linear import Linear, padded_rows
-from recap.target.kernels.widen import storage, widen
+from recap.target.kernels.widen import storage
 from recap.target.profile import profile_key
 from tests.conftest import TINY_MODELS, load_target
 
@@ -284,8 +284,15 @@ def test_the_written_order_is_the_one_compiled():
 
 @njit(cache=True)
 def _widen_all(stored, out):  # pragma: no cover - compiled
-    for i in range(stored.shape[0]):  # vectorised like the kernels' inner loops
-        out[i] = widen(stored[i])
+    for k in range(0, stored.shape[0] - 8, 8):  # whole groups, as the blocks' loops load them
+        group = lanes.load(stored, k)
+        for i in range(8):
+            out[k + i] = lanes.lane(group, i)
+    tail = stored.shape[0] - 8  # the last 8 one by one, as a dot product's tail reads them
+    ones = np.ones(8, np.float32)
+    widened = lanes.fma_tail(lanes.zeros(), ones, stored[tail:], 0)
+    for i in range(8):
+        out[tail + i] = lanes.lane(widened, i)
 
 
 @pytest.mark.parametrize("float16", [False, True])

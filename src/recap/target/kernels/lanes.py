@@ -17,6 +17,10 @@ a Zen 4 (AVX-512) one. Here the order is part of the code:
   operation per lane (no flag lets LLVM reorder them), however the target splits or widens
   the vector (two 128-bit halves, one 256-bit register, half a 512-bit one).
 
+Everything a register block does besides its loop over K is an intrinsic too (`store`,
+`fma_tail`): arrays pass into intrinsics without numba's reference counting, whose atomic
+updates around inlined helpers cost a block more than its arithmetic at short K.
+
 So a dot product's bits depend on its inputs alone: not on the register block computing it,
 the rows beside it, the thread count, or the instruction set. 8 lanes fill one AVX2 register
 (16 vector registers: a 3x4 block's 12 accumulators fit) and half an AVX-512 one (Zen 4 runs
@@ -24,7 +28,7 @@ the rows beside it, the thread count, or the instruction set. 8 lanes fill one A
 would spill every AVX2 block): the trade is written down in docs/kernels.md.
 
 Stored 16-bit weights load widened (`load` on ``uint16`` bfloat16 bits or ``int16`` float16
-bits, see `widen`): every 16-bit float is exactly a float32.
+bits, see `widen.storage`): every 16-bit float is exactly a float32.
 """
 
 from __future__ import annotations
@@ -36,8 +40,6 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
-
-from recap.target.kernels.widen import widen
 
 LANES = 8
 """Partial sums per dot product. Part of the arithmetic's definition: changing it changes
@@ -92,21 +94,30 @@ def load(typingctx, array, start):  # pragma: no cover - compiled
     kind = _WIDTHS[array.dtype]
 
     def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, value=args[0]).data
         index = context.cast(builder, args[1], signature.args[1], types.intp)
-        element = context.get_data_type(signature.args[0].dtype)
-        pointer = builder.gep(data, [index], inbounds=True, source_etype=element)
-        raw = builder.load(pointer, align=element.width // 8 if kind else 4,
-                           typ=ir.VectorType(element, LANES))
-        if kind is None:
-            return raw
-        if kind == "float16":
-            return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), LANES)), _VECTOR)
-        wide = builder.zext(raw, ir.VectorType(_I32, LANES))
-        shifted = builder.shl(wide, ir.Constant(ir.VectorType(_I32, LANES), [16] * LANES))
-        return builder.bitcast(shifted, _VECTOR)
+        return _load(context, builder, signature.args[0], args[0], index, LANES, kind)
 
     return lanes(array, start), codegen
+
+
+def _load(context, builder: ir.IRBuilder, array_type, array: ir.Value, index: ir.Value, count: int,
+          kind: str | None) -> ir.Value:
+    """``count`` elements of a 1-D array from ``index`` on (a vector, or a scalar for
+    ``count`` 1), widened to float32 (``kind``: None, "bfloat16" or "float16")."""
+    data = context.make_array(array_type)(context, builder, value=array).data
+    element = context.get_data_type(array_type.dtype)
+    pointer = builder.gep(data, [index], inbounds=True, source_etype=element)
+    stored = element if count == 1 else ir.VectorType(element, count)
+    raw = builder.load(pointer, align=element.width // 8 if kind else 4, typ=stored)
+    if kind is None:
+        return raw
+    wide_float = _FLOAT if count == 1 else ir.VectorType(_FLOAT, count)
+    if kind == "float16":
+        half = ir.HalfType() if count == 1 else ir.VectorType(ir.HalfType(), count)
+        return builder.fpext(builder.bitcast(raw, half), wide_float)
+    wide_int = _I32 if count == 1 else ir.VectorType(_I32, count)
+    sixteen = ir.Constant(wide_int, 16 if count == 1 else [16] * count)
+    return builder.bitcast(builder.shl(builder.zext(raw, wide_int), sixteen), wide_float)
 
 
 @intrinsic
@@ -131,18 +142,6 @@ def add(typingctx, a, b):  # pragma: no cover - compiled
         return builder.fadd(*args)
 
     return lanes(lanes, lanes), codegen
-
-
-@intrinsic
-def fma1(typingctx, a, b, c):  # pragma: no cover - compiled
-    """``a * b + c`` on float32 scalars, rounded once (the tail's step, as a lane's)."""
-    if not (a == types.float32 and b == types.float32 and c == types.float32):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return _fma(builder, *args)
-
-    return types.float32(types.float32, types.float32, types.float32), codegen
 
 
 @intrinsic
@@ -178,6 +177,14 @@ def _halves(builder: ir.IRBuilder, v: ir.Value, width: int) -> ir.Value:
     return builder.fadd(low, high)
 
 
+def _sum_tree(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """`total`'s tree: halves added lane by lane until one is left."""
+    value, width = v, LANES
+    while width > 1:
+        value, width = _halves(builder, value, width), width // 2
+    return builder.extract_element(value, ir.Constant(_I32, 0))
+
+
 @intrinsic
 def total(typingctx, v):  # pragma: no cover - compiled
     """The sum of the partial sums by the fixed tree: halves added lane by lane until one
@@ -186,10 +193,7 @@ def total(typingctx, v):  # pragma: no cover - compiled
         return None
 
     def codegen(context, builder, signature, args):
-        value, width = args[0], LANES
-        while width > 1:
-            value, width = _halves(builder, value, width), width // 2
-        return builder.extract_element(value, ir.Constant(_I32, 0))
+        return _sum_tree(builder, args[0])
 
     return types.float32(v), codegen
 
@@ -197,9 +201,9 @@ def total(typingctx, v):  # pragma: no cover - compiled
 @intrinsic
 def keep_rolled(typingctx):  # pragma: no cover - compiled
     """A no-op that keeps the loop holding it rolled: LLVM does not runtime-unroll a loop with
-    a convergent operation. Called first in every register block's loop over K: unrolled 4x,
-    the 3x4 block's 4-row step ran 10% slower than one group of lanes per pass (AVX2 code,
-    docs/kernels.md); the order of the sums is the same either way."""
+    a convergent operation. Called first in every register block's loop over K, so the loop
+    keeps the shape the fastmath kernels had (one group of lanes a pass; unrolled 4x, steps
+    measured slower, docs/kernels.md); the order of the sums is the same either way."""
     def codegen(context, builder, signature, args):
         call = builder.asm(ir.FunctionType(ir.VoidType(), []), "", "", [], side_effect=True)
         call.attributes.add("convergent")
@@ -207,15 +211,35 @@ def keep_rolled(typingctx):  # pragma: no cover - compiled
     return types.none(), codegen
 
 
-@njit
-def fma_tail(acc, x, w, start):  # pragma: no cover - compiled
-    # not inlined by numba: inlining every block's tails tripled the kernels' compile time,
-    # and a tail runs once per dot product, only where K is not a multiple of LANES
+@intrinsic
+def fma_tail(typingctx, acc, x, w, start):  # pragma: no cover - compiled
     """``acc`` after the elements ``start ..`` of ``x`` and ``w`` (fewer than `LANES`, each
-    into its own lane ``k - start``, as a whole group would put them): a dot product's tail."""
-    for i in range(x.shape[0] - start):
-        acc = with_lane(acc, i, fma1(x[start + i], widen(w[start + i]), lane(acc, i)))
-    return acc
+    into its own lane ``k - start``, as a whole group would put them): a dot product's tail.
+    ``x``: float32, ``w``: as `load` reads it; both C-contiguous 1-D of one length. An
+    intrinsic, like `store`: the arrays pass without reference counting."""
+    if not (acc == lanes and isinstance(start, types.Integer)
+            and all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (x, w))
+            and x.dtype == types.float32 and w.dtype in _WIDTHS):
+        return None
+    kind = _WIDTHS[w.dtype]
+
+    def codegen(context, builder, signature, args):
+        _, x_type, w_type, start_type = signature.args
+        partial, xs, ws, first = args
+        first = context.cast(builder, first, start_type, types.intp)
+        length = builder.extract_value(context.make_array(x_type)(context, builder, value=xs).shape, 0)
+        result = cgutils.alloca_once_value(builder, partial)
+        with cgutils.for_range(builder, builder.sub(length, first)) as loop:
+            k = builder.add(first, loop.index)
+            product_x = _load(context, builder, x_type, xs, k, 1, None)
+            product_w = _load(context, builder, w_type, ws, k, 1, kind)
+            slot = builder.trunc(loop.index, _I32)
+            current = builder.load(result)
+            updated = _fma(builder, product_x, product_w, builder.extract_element(current, slot))
+            builder.store(builder.insert_element(current, updated, slot), result)
+        return builder.load(result)
+
+    return lanes(acc, x, w, start), codegen
 
 
 @njit(inline="always")
@@ -224,14 +248,33 @@ def whole(length):  # pragma: no cover - compiled
     return length - length % LANES
 
 
-@njit(inline="always")
-def finish(acc, bias, n):  # pragma: no cover - compiled
-    """A dot product's result: `total` of its lanes, plus ``bias[n]`` when there is a bias
-    (``bias``: (N,) float32 or empty)."""
-    s = total(acc)
-    if bias.shape[0]:
-        s += bias[n]
-    return s
+@intrinsic
+def store(typingctx, out, row, column, acc, bias):  # pragma: no cover - compiled
+    """``out[row, column] = total(acc) + bias[column]`` (without the addition where ``bias``
+    is empty): a dot product's result. An intrinsic, so the arrays pass without reference
+    counting (a numba helper taking them cost each result atomic reference updates)."""
+    if not (isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.float32
+            and isinstance(row, types.Integer) and isinstance(column, types.Integer) and acc == lanes
+            and isinstance(bias, types.Array) and bias.ndim == 1 and bias.dtype == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        out_type, row_type, column_type, _, bias_type = signature.args
+        target, row_index, column_index, partial, addend = args
+        row_index = context.cast(builder, row_index, row_type, types.intp)
+        column_index = context.cast(builder, column_index, column_type, types.intp)
+        result = cgutils.alloca_once_value(builder, _sum_tree(builder, partial))
+        biases = context.make_array(bias_type)(context, builder, value=addend)
+        has_bias = builder.icmp_signed(">", builder.extract_value(biases.shape, 0), ir.Constant(cgutils.intp_t, 0))
+        with builder.if_then(has_bias):
+            pointer = cgutils.get_item_pointer(context, builder, bias_type, biases, [column_index])
+            builder.store(builder.fadd(builder.load(result), builder.load(pointer)), result)
+        outs = context.make_array(out_type)(context, builder, value=target)
+        destination = cgutils.get_item_pointer(context, builder, out_type, outs, [row_index, column_index])
+        builder.store(builder.load(result), destination)
+        return context.get_dummy_value()
+
+    return types.none(out, row, column, acc, bias), codegen
 
 
 @njit(cache=True)
