@@ -99,8 +99,8 @@ class FastDecoder:
         blocks of 4, or row by row where every layer runs the last 1 or 2 rows of a step past 4
         on a remainder block (3x4 machines; a step of 4k + 3 rows still costs 4k + 4)."""
         self.two_rows = [linear.two_rows for linear in linears]
-        """Per linear layer: whether its 1- and 2-row steps run on the 2-row block (where its
-        width is a multiple of 8 and `linear.small_rows_exact` holds), else on 4 rows."""
+        """Per linear layer: whether its 1- and 2-row steps run on the 8x2 block (the 4x4
+        layout, where its width is a multiple of 8), else on 4 rows or the spread 6x2 block."""
         self.eps = float(getattr(decoder.norm, "variance_epsilon", args.eps))
         self.scale = float(getattr(decoder.layers[0].self_attn, "scaling", args.head_dim ** -0.5))
         self.quad_attention = ops.QuadAttention(args.heads, args.kv_heads, args.head_dim) \

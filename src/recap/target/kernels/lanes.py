@@ -17,9 +17,10 @@ a Zen 4 (AVX-512) one. Here the order is part of the code:
   operation per lane (no flag lets LLVM reorder them), however the target splits or widens
   the vector (two 128-bit halves, one 256-bit register, half a 512-bit one).
 
-Everything a register block does besides its loop over K is an intrinsic too (`store`,
-`fma_tail`): arrays pass into intrinsics without numba's reference counting, whose atomic
-updates around inlined helpers cost a block more than its arithmetic at short K.
+A register block reads rows by index (`load_row`, `fma_tail_rows`) and writes its results
+with `store`, all intrinsics: arrays pass into intrinsics without numba's reference counting,
+whose atomic updates (for every row view a block made, and around inlined helpers) cost a
+block more than its arithmetic at short K.
 
 So a dot product's bits depend on its inputs alone: not on the register block computing it,
 the rows beside it, the thread count, or the instruction set. 8 lanes fill one AVX2 register
@@ -98,6 +99,33 @@ def load(typingctx, array, start):  # pragma: no cover - compiled
         return _load(context, builder, signature.args[0], args[0], index, LANES, kind)
 
     return lanes(array, start), codegen
+
+
+@intrinsic
+def load_row(typingctx, array, row, start):  # pragma: no cover - compiled
+    """``array[row, start:start + LANES]`` widened to float32: ``array`` a C-contiguous 2-D
+    array (as `load` reads it). A row index instead of a row view: a view is reference
+    counted (atomic updates each time a block makes one), an index is not."""
+    if not (isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C"
+            and array.dtype in _WIDTHS and isinstance(row, types.Integer) and isinstance(start, types.Integer)):
+        return None
+    kind = _WIDTHS[array.dtype]
+
+    def codegen(context, builder, signature, args):
+        index = _flat_index(context, builder, signature.args[0], args[0], args[1], signature.args[1],
+                            args[2], signature.args[2])
+        return _load(context, builder, signature.args[0], args[0], index, LANES, kind)
+
+    return lanes(array, row, start), codegen
+
+
+def _flat_index(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: ir.Value, row_type,
+                column: ir.Value, column_type) -> ir.Value:
+    """``row * columns + column`` of a C-contiguous 2-D array."""
+    columns = builder.extract_value(context.make_array(array_type)(context, builder, value=array).shape, 1)
+    row = context.cast(builder, row, row_type, types.intp)
+    column = context.cast(builder, column, column_type, types.intp)
+    return builder.add(builder.mul(row, columns), column)
 
 
 def _load(context, builder: ir.IRBuilder, array_type, array: ir.Value, index: ir.Value, count: int,
@@ -240,6 +268,38 @@ def fma_tail(typingctx, acc, x, w, start):  # pragma: no cover - compiled
         return builder.load(result)
 
     return lanes(acc, x, w, start), codegen
+
+
+@intrinsic
+def fma_tail_rows(typingctx, acc, x, x_row, w, w_row, start):  # pragma: no cover - compiled
+    """`fma_tail` of rows ``x[x_row]`` and ``w[w_row]`` of C-contiguous 2-D arrays (row
+    indices, not views: see `load_row`)."""
+    if not (acc == lanes and isinstance(start, types.Integer)
+            and isinstance(x_row, types.Integer) and isinstance(w_row, types.Integer)
+            and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (x, w))
+            and x.dtype == types.float32 and w.dtype in _WIDTHS):
+        return None
+    kind = _WIDTHS[w.dtype]
+
+    def codegen(context, builder, signature, args):
+        _, x_type, x_row_type, w_type, w_row_type, start_type = signature.args
+        partial, xs, x_index, ws, w_index, first = args
+        first = context.cast(builder, first, start_type, types.intp)
+        length = builder.extract_value(context.make_array(x_type)(context, builder, value=xs).shape, 1)
+        result = cgutils.alloca_once_value(builder, partial)
+        with cgutils.for_range(builder, builder.sub(length, first)) as loop:
+            k = builder.add(first, loop.index)
+            x_at = _flat_index(context, builder, x_type, xs, x_index, x_row_type, k, types.intp)
+            w_at = _flat_index(context, builder, w_type, ws, w_index, w_row_type, k, types.intp)
+            product_x = _load(context, builder, x_type, xs, x_at, 1, None)
+            product_w = _load(context, builder, w_type, ws, w_at, 1, kind)
+            slot = builder.trunc(loop.index, _I32)
+            current = builder.load(result)
+            updated = _fma(builder, product_x, product_w, builder.extract_element(current, slot))
+            builder.store(builder.insert_element(current, updated, slot), result)
+        return builder.load(result)
+
+    return lanes(acc, x, x_row, w, w_row, start), codegen
 
 
 @njit(inline="always")

@@ -91,60 +91,62 @@ def padded_rows(m: int) -> int:
 
 
 @njit(inline="always")
-def _block4(x, m0, w0, w1, w2, w3, out, n0, n1, n2, n3, bias):  # pragma: no cover - compiled
-    # x: (Mp, K) f32; w0..w3: (K,) weight rows n0..n3 as stored; out: (Mp, N) f32; bias: (N,)
-    # f32 or (0,). 16 dot products in `lanes` order: a<i><j> is weight row i x token row j.
-    x0 = x[m0]
-    x1 = x[m0 + 1]
-    x2 = x[m0 + 2]
-    x3 = x[m0 + 3]
+def _block4(x, m0, w, w0, w1, w2, w3, out, n0, n1, n2, n3, bias):  # pragma: no cover - compiled
+    # x: (Mp, K) f32; w0..w3: rows of w: (N', K) as stored, into output columns n0..n3 of
+    # out: (Mp, N) f32; bias: (N,) f32 or (0,). 16 dot products in `lanes` order: a<i><j> is
+    # weight row i x token row j. x0..x3 and w0..w3 are row indices, not views: a view is a
+    # reference-counted object (two atomic updates each), a row index costs nothing.
+    x0 = m0
+    x1 = m0 + 1
+    x2 = m0 + 2
+    x3 = m0 + 3
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = lanes.zeros()
     a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = lanes.zeros()
     length = x.shape[1]
     full = lanes.whole(length)
     for k in range(0, full, LANES):
         lanes.keep_rolled()
-        u0 = lanes.load(w0, k)
-        u1 = lanes.load(w1, k)
-        u2 = lanes.load(w2, k)
-        u3 = lanes.load(w3, k)
-        p = lanes.load(x0, k)
+        u0 = lanes.load_row(w, w0, k)
+        u1 = lanes.load_row(w, w1, k)
+        u2 = lanes.load_row(w, w2, k)
+        u3 = lanes.load_row(w, w3, k)
+        p = lanes.load_row(x, x0, k)
         a00 = lanes.fma(p, u0, a00)
         a10 = lanes.fma(p, u1, a10)
         a20 = lanes.fma(p, u2, a20)
         a30 = lanes.fma(p, u3, a30)
-        p = lanes.load(x1, k)
+        p = lanes.load_row(x, x1, k)
         a01 = lanes.fma(p, u0, a01)
         a11 = lanes.fma(p, u1, a11)
         a21 = lanes.fma(p, u2, a21)
         a31 = lanes.fma(p, u3, a31)
-        p = lanes.load(x2, k)
+        p = lanes.load_row(x, x2, k)
         a02 = lanes.fma(p, u0, a02)
         a12 = lanes.fma(p, u1, a12)
         a22 = lanes.fma(p, u2, a22)
         a32 = lanes.fma(p, u3, a32)
-        p = lanes.load(x3, k)
+        p = lanes.load_row(x, x3, k)
         a03 = lanes.fma(p, u0, a03)
         a13 = lanes.fma(p, u1, a13)
         a23 = lanes.fma(p, u2, a23)
         a33 = lanes.fma(p, u3, a33)
     # the elements past the last whole group of lanes, if any (a no-op where K % 8 == 0)
-    a00 = lanes.fma_tail(a00, x0, w0, full)
-    a01 = lanes.fma_tail(a01, x1, w0, full)
-    a02 = lanes.fma_tail(a02, x2, w0, full)
-    a03 = lanes.fma_tail(a03, x3, w0, full)
-    a10 = lanes.fma_tail(a10, x0, w1, full)
-    a11 = lanes.fma_tail(a11, x1, w1, full)
-    a12 = lanes.fma_tail(a12, x2, w1, full)
-    a13 = lanes.fma_tail(a13, x3, w1, full)
-    a20 = lanes.fma_tail(a20, x0, w2, full)
-    a21 = lanes.fma_tail(a21, x1, w2, full)
-    a22 = lanes.fma_tail(a22, x2, w2, full)
-    a23 = lanes.fma_tail(a23, x3, w2, full)
-    a30 = lanes.fma_tail(a30, x0, w3, full)
-    a31 = lanes.fma_tail(a31, x1, w3, full)
-    a32 = lanes.fma_tail(a32, x2, w3, full)
-    a33 = lanes.fma_tail(a33, x3, w3, full)
+    a00 = lanes.fma_tail_rows(a00, x, x0, w, w0, full)
+    a01 = lanes.fma_tail_rows(a01, x, x1, w, w0, full)
+    a02 = lanes.fma_tail_rows(a02, x, x2, w, w0, full)
+    a03 = lanes.fma_tail_rows(a03, x, x3, w, w0, full)
+    a10 = lanes.fma_tail_rows(a10, x, x0, w, w1, full)
+    a11 = lanes.fma_tail_rows(a11, x, x1, w, w1, full)
+    a12 = lanes.fma_tail_rows(a12, x, x2, w, w1, full)
+    a13 = lanes.fma_tail_rows(a13, x, x3, w, w1, full)
+    a20 = lanes.fma_tail_rows(a20, x, x0, w, w2, full)
+    a21 = lanes.fma_tail_rows(a21, x, x1, w, w2, full)
+    a22 = lanes.fma_tail_rows(a22, x, x2, w, w2, full)
+    a23 = lanes.fma_tail_rows(a23, x, x3, w, w2, full)
+    a30 = lanes.fma_tail_rows(a30, x, x0, w, w3, full)
+    a31 = lanes.fma_tail_rows(a31, x, x1, w, w3, full)
+    a32 = lanes.fma_tail_rows(a32, x, x2, w, w3, full)
+    a33 = lanes.fma_tail_rows(a33, x, x3, w, w3, full)
     lanes.store(out, m0, n0, a00, bias)
     lanes.store(out, m0 + 1, n0, a01, bias)
     lanes.store(out, m0 + 2, n0, a02, bias)
@@ -164,27 +166,27 @@ def _block4(x, m0, w0, w1, w2, w3, out, n0, n1, n2, n3, bias):  # pragma: no cov
 
 
 @njit(inline="always")
-def _block1(x, m0, w0, out, n, bias):  # pragma: no cover - compiled
+def _block1(x, m0, w, w0, out, n, bias):  # pragma: no cover - compiled
     # The last N % 3 (or N % 4) columns: one weight row x 4 token rows.
-    x0 = x[m0]
-    x1 = x[m0 + 1]
-    x2 = x[m0 + 2]
-    x3 = x[m0 + 3]
+    x0 = m0
+    x1 = m0 + 1
+    x2 = m0 + 2
+    x3 = m0 + 3
     a0 = a1 = a2 = a3 = lanes.zeros()
     length = x.shape[1]
     full = lanes.whole(length)
     for k in range(0, full, LANES):
         lanes.keep_rolled()
-        u = lanes.load(w0, k)
-        a0 = lanes.fma(lanes.load(x0, k), u, a0)
-        a1 = lanes.fma(lanes.load(x1, k), u, a1)
-        a2 = lanes.fma(lanes.load(x2, k), u, a2)
-        a3 = lanes.fma(lanes.load(x3, k), u, a3)
+        u = lanes.load_row(w, w0, k)
+        a0 = lanes.fma(lanes.load_row(x, x0, k), u, a0)
+        a1 = lanes.fma(lanes.load_row(x, x1, k), u, a1)
+        a2 = lanes.fma(lanes.load_row(x, x2, k), u, a2)
+        a3 = lanes.fma(lanes.load_row(x, x3, k), u, a3)
     # the elements past the last whole group of lanes, if any (a no-op where K % 8 == 0)
-    a0 = lanes.fma_tail(a0, x0, w0, full)
-    a1 = lanes.fma_tail(a1, x1, w0, full)
-    a2 = lanes.fma_tail(a2, x2, w0, full)
-    a3 = lanes.fma_tail(a3, x3, w0, full)
+    a0 = lanes.fma_tail_rows(a0, x, x0, w, w0, full)
+    a1 = lanes.fma_tail_rows(a1, x, x1, w, w0, full)
+    a2 = lanes.fma_tail_rows(a2, x, x2, w, w0, full)
+    a3 = lanes.fma_tail_rows(a3, x, x3, w, w0, full)
     lanes.store(out, m0, n, a0, bias)
     lanes.store(out, m0 + 1, n, a1, bias)
     lanes.store(out, m0 + 2, n, a2, bias)
@@ -192,51 +194,52 @@ def _block1(x, m0, w0, out, n, bias):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _block3(x, m0, w0, w1, w2, out, n0, n1, n2, bias):  # pragma: no cover - compiled
-    # x: (Mp, K) f32; w0..w2: (K,) weight rows n0..n2 as stored; out: (Mp, N) f32; bias: (N,)
-    # f32 or (0,). `_block4` with 3 weight rows: 12 accumulators fit 16 vector registers.
-    x0 = x[m0]
-    x1 = x[m0 + 1]
-    x2 = x[m0 + 2]
-    x3 = x[m0 + 3]
+def _block3(x, m0, w, w0, w1, w2, out, n0, n1, n2, bias):  # pragma: no cover - compiled
+    # x: (Mp, K) f32; w0..w2: rows of w as stored, into output columns n0..n2 of out: (Mp, N)
+    # f32; bias: (N,) f32 or (0,). `_block4` with 3 weight rows: 12 accumulators fit 16
+    # vector registers.
+    x0 = m0
+    x1 = m0 + 1
+    x2 = m0 + 2
+    x3 = m0 + 3
     a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = lanes.zeros()
     a20 = a21 = a22 = a23 = lanes.zeros()
     length = x.shape[1]
     full = lanes.whole(length)
     for k in range(0, full, LANES):
         lanes.keep_rolled()
-        u0 = lanes.load(w0, k)
-        u1 = lanes.load(w1, k)
-        u2 = lanes.load(w2, k)
-        p = lanes.load(x0, k)
+        u0 = lanes.load_row(w, w0, k)
+        u1 = lanes.load_row(w, w1, k)
+        u2 = lanes.load_row(w, w2, k)
+        p = lanes.load_row(x, x0, k)
         a00 = lanes.fma(p, u0, a00)
         a10 = lanes.fma(p, u1, a10)
         a20 = lanes.fma(p, u2, a20)
-        p = lanes.load(x1, k)
+        p = lanes.load_row(x, x1, k)
         a01 = lanes.fma(p, u0, a01)
         a11 = lanes.fma(p, u1, a11)
         a21 = lanes.fma(p, u2, a21)
-        p = lanes.load(x2, k)
+        p = lanes.load_row(x, x2, k)
         a02 = lanes.fma(p, u0, a02)
         a12 = lanes.fma(p, u1, a12)
         a22 = lanes.fma(p, u2, a22)
-        p = lanes.load(x3, k)
+        p = lanes.load_row(x, x3, k)
         a03 = lanes.fma(p, u0, a03)
         a13 = lanes.fma(p, u1, a13)
         a23 = lanes.fma(p, u2, a23)
     # the elements past the last whole group of lanes, if any (a no-op where K % 8 == 0)
-    a00 = lanes.fma_tail(a00, x0, w0, full)
-    a01 = lanes.fma_tail(a01, x1, w0, full)
-    a02 = lanes.fma_tail(a02, x2, w0, full)
-    a03 = lanes.fma_tail(a03, x3, w0, full)
-    a10 = lanes.fma_tail(a10, x0, w1, full)
-    a11 = lanes.fma_tail(a11, x1, w1, full)
-    a12 = lanes.fma_tail(a12, x2, w1, full)
-    a13 = lanes.fma_tail(a13, x3, w1, full)
-    a20 = lanes.fma_tail(a20, x0, w2, full)
-    a21 = lanes.fma_tail(a21, x1, w2, full)
-    a22 = lanes.fma_tail(a22, x2, w2, full)
-    a23 = lanes.fma_tail(a23, x3, w2, full)
+    a00 = lanes.fma_tail_rows(a00, x, x0, w, w0, full)
+    a01 = lanes.fma_tail_rows(a01, x, x1, w, w0, full)
+    a02 = lanes.fma_tail_rows(a02, x, x2, w, w0, full)
+    a03 = lanes.fma_tail_rows(a03, x, x3, w, w0, full)
+    a10 = lanes.fma_tail_rows(a10, x, x0, w, w1, full)
+    a11 = lanes.fma_tail_rows(a11, x, x1, w, w1, full)
+    a12 = lanes.fma_tail_rows(a12, x, x2, w, w1, full)
+    a13 = lanes.fma_tail_rows(a13, x, x3, w, w1, full)
+    a20 = lanes.fma_tail_rows(a20, x, x0, w, w2, full)
+    a21 = lanes.fma_tail_rows(a21, x, x1, w, w2, full)
+    a22 = lanes.fma_tail_rows(a22, x, x2, w, w2, full)
+    a23 = lanes.fma_tail_rows(a23, x, x3, w, w2, full)
     lanes.store(out, m0, n0, a00, bias)
     lanes.store(out, m0 + 1, n0, a01, bias)
     lanes.store(out, m0 + 2, n0, a02, bias)
@@ -256,59 +259,59 @@ def _block8x2(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
     # x: (>= 2, K) f32; weight rows r0 + j * rs (j < 8) of w: (N', K) as stored into output
     # columns c0 + j * cs of out: (>= 2, N) f32; bias: (N,) f32 or (0,). a<j> is token row 0,
     # b<j> token row 1; each dot product in `lanes` order, as in `_block4`.
-    x0 = x[0]
-    x1 = x[1]
-    w0, w1, w2, w3 = w[r0], w[r0 + rs], w[r0 + 2 * rs], w[r0 + 3 * rs]
-    w4, w5, w6, w7 = w[r0 + 4 * rs], w[r0 + 5 * rs], w[r0 + 6 * rs], w[r0 + 7 * rs]
+    x0 = 0
+    x1 = 1
+    w0, w1, w2, w3 = r0, r0 + rs, r0 + 2 * rs, r0 + 3 * rs
+    w4, w5, w6, w7 = r0 + 4 * rs, r0 + 5 * rs, r0 + 6 * rs, r0 + 7 * rs
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = lanes.zeros()
     b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = lanes.zeros()
     length = x.shape[1]
     full = lanes.whole(length)
     for k in range(0, full, LANES):
         lanes.keep_rolled()
-        p = lanes.load(x0, k)
-        r = lanes.load(x1, k)
-        u = lanes.load(w0, k)
+        p = lanes.load_row(x, x0, k)
+        r = lanes.load_row(x, x1, k)
+        u = lanes.load_row(w, w0, k)
         a0 = lanes.fma(p, u, a0)
         b0 = lanes.fma(r, u, b0)
-        u = lanes.load(w1, k)
+        u = lanes.load_row(w, w1, k)
         a1 = lanes.fma(p, u, a1)
         b1 = lanes.fma(r, u, b1)
-        u = lanes.load(w2, k)
+        u = lanes.load_row(w, w2, k)
         a2 = lanes.fma(p, u, a2)
         b2 = lanes.fma(r, u, b2)
-        u = lanes.load(w3, k)
+        u = lanes.load_row(w, w3, k)
         a3 = lanes.fma(p, u, a3)
         b3 = lanes.fma(r, u, b3)
-        u = lanes.load(w4, k)
+        u = lanes.load_row(w, w4, k)
         a4 = lanes.fma(p, u, a4)
         b4 = lanes.fma(r, u, b4)
-        u = lanes.load(w5, k)
+        u = lanes.load_row(w, w5, k)
         a5 = lanes.fma(p, u, a5)
         b5 = lanes.fma(r, u, b5)
-        u = lanes.load(w6, k)
+        u = lanes.load_row(w, w6, k)
         a6 = lanes.fma(p, u, a6)
         b6 = lanes.fma(r, u, b6)
-        u = lanes.load(w7, k)
+        u = lanes.load_row(w, w7, k)
         a7 = lanes.fma(p, u, a7)
         b7 = lanes.fma(r, u, b7)
     # the elements past the last whole group of lanes, if any (a no-op where K % 8 == 0)
-    a0 = lanes.fma_tail(a0, x0, w0, full)
-    b0 = lanes.fma_tail(b0, x1, w0, full)
-    a1 = lanes.fma_tail(a1, x0, w1, full)
-    b1 = lanes.fma_tail(b1, x1, w1, full)
-    a2 = lanes.fma_tail(a2, x0, w2, full)
-    b2 = lanes.fma_tail(b2, x1, w2, full)
-    a3 = lanes.fma_tail(a3, x0, w3, full)
-    b3 = lanes.fma_tail(b3, x1, w3, full)
-    a4 = lanes.fma_tail(a4, x0, w4, full)
-    b4 = lanes.fma_tail(b4, x1, w4, full)
-    a5 = lanes.fma_tail(a5, x0, w5, full)
-    b5 = lanes.fma_tail(b5, x1, w5, full)
-    a6 = lanes.fma_tail(a6, x0, w6, full)
-    b6 = lanes.fma_tail(b6, x1, w6, full)
-    a7 = lanes.fma_tail(a7, x0, w7, full)
-    b7 = lanes.fma_tail(b7, x1, w7, full)
+    a0 = lanes.fma_tail_rows(a0, x, x0, w, w0, full)
+    b0 = lanes.fma_tail_rows(b0, x, x1, w, w0, full)
+    a1 = lanes.fma_tail_rows(a1, x, x0, w, w1, full)
+    b1 = lanes.fma_tail_rows(b1, x, x1, w, w1, full)
+    a2 = lanes.fma_tail_rows(a2, x, x0, w, w2, full)
+    b2 = lanes.fma_tail_rows(b2, x, x1, w, w2, full)
+    a3 = lanes.fma_tail_rows(a3, x, x0, w, w3, full)
+    b3 = lanes.fma_tail_rows(b3, x, x1, w, w3, full)
+    a4 = lanes.fma_tail_rows(a4, x, x0, w, w4, full)
+    b4 = lanes.fma_tail_rows(b4, x, x1, w, w4, full)
+    a5 = lanes.fma_tail_rows(a5, x, x0, w, w5, full)
+    b5 = lanes.fma_tail_rows(b5, x, x1, w, w5, full)
+    a6 = lanes.fma_tail_rows(a6, x, x0, w, w6, full)
+    b6 = lanes.fma_tail_rows(b6, x, x1, w, w6, full)
+    a7 = lanes.fma_tail_rows(a7, x, x0, w, w7, full)
+    b7 = lanes.fma_tail_rows(b7, x, x1, w, w7, full)
     lanes.store(out, 0, c0, a0, bias)
     lanes.store(out, 1, c0, b0, bias)
     lanes.store(out, 0, c0 + cs, a1, bias)
@@ -332,42 +335,42 @@ def _block12x1(x, m0, w, c0, ci, cj, out, bias):  # pragma: no cover - compiled
     # Token row m0 of x: (Mp, K) f32 against weight rows n = c0 + i * ci + j * cj (i < 4,
     # j < 3) of w: (N, K) as stored into output columns n of out: (Mp, N) f32; bias: (N,) f32
     # or (0,). 12 accumulators, each dot product in `lanes` order.
-    x0 = x[m0]
+    x0 = m0
     c1, c2 = c0 + cj, c0 + 2 * cj
-    w0, w1, w2, w3 = w[c0], w[c0 + ci], w[c0 + 2 * ci], w[c0 + 3 * ci]
-    w4, w5, w6, w7 = w[c1], w[c1 + ci], w[c1 + 2 * ci], w[c1 + 3 * ci]
-    w8, w9, w10, w11 = w[c2], w[c2 + ci], w[c2 + 2 * ci], w[c2 + 3 * ci]
+    w0, w1, w2, w3 = c0, c0 + ci, c0 + 2 * ci, c0 + 3 * ci
+    w4, w5, w6, w7 = c1, c1 + ci, c1 + 2 * ci, c1 + 3 * ci
+    w8, w9, w10, w11 = c2, c2 + ci, c2 + 2 * ci, c2 + 3 * ci
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = lanes.zeros()
     length = x.shape[1]
     full = lanes.whole(length)
     for k in range(0, full, LANES):
         lanes.keep_rolled()
-        p = lanes.load(x0, k)
-        a0 = lanes.fma(p, lanes.load(w0, k), a0)
-        a1 = lanes.fma(p, lanes.load(w1, k), a1)
-        a2 = lanes.fma(p, lanes.load(w2, k), a2)
-        a3 = lanes.fma(p, lanes.load(w3, k), a3)
-        a4 = lanes.fma(p, lanes.load(w4, k), a4)
-        a5 = lanes.fma(p, lanes.load(w5, k), a5)
-        a6 = lanes.fma(p, lanes.load(w6, k), a6)
-        a7 = lanes.fma(p, lanes.load(w7, k), a7)
-        a8 = lanes.fma(p, lanes.load(w8, k), a8)
-        a9 = lanes.fma(p, lanes.load(w9, k), a9)
-        a10 = lanes.fma(p, lanes.load(w10, k), a10)
-        a11 = lanes.fma(p, lanes.load(w11, k), a11)
+        p = lanes.load_row(x, x0, k)
+        a0 = lanes.fma(p, lanes.load_row(w, w0, k), a0)
+        a1 = lanes.fma(p, lanes.load_row(w, w1, k), a1)
+        a2 = lanes.fma(p, lanes.load_row(w, w2, k), a2)
+        a3 = lanes.fma(p, lanes.load_row(w, w3, k), a3)
+        a4 = lanes.fma(p, lanes.load_row(w, w4, k), a4)
+        a5 = lanes.fma(p, lanes.load_row(w, w5, k), a5)
+        a6 = lanes.fma(p, lanes.load_row(w, w6, k), a6)
+        a7 = lanes.fma(p, lanes.load_row(w, w7, k), a7)
+        a8 = lanes.fma(p, lanes.load_row(w, w8, k), a8)
+        a9 = lanes.fma(p, lanes.load_row(w, w9, k), a9)
+        a10 = lanes.fma(p, lanes.load_row(w, w10, k), a10)
+        a11 = lanes.fma(p, lanes.load_row(w, w11, k), a11)
     # the elements past the last whole group of lanes, if any (a no-op where K % 8 == 0)
-    a0 = lanes.fma_tail(a0, x0, w0, full)
-    a1 = lanes.fma_tail(a1, x0, w1, full)
-    a2 = lanes.fma_tail(a2, x0, w2, full)
-    a3 = lanes.fma_tail(a3, x0, w3, full)
-    a4 = lanes.fma_tail(a4, x0, w4, full)
-    a5 = lanes.fma_tail(a5, x0, w5, full)
-    a6 = lanes.fma_tail(a6, x0, w6, full)
-    a7 = lanes.fma_tail(a7, x0, w7, full)
-    a8 = lanes.fma_tail(a8, x0, w8, full)
-    a9 = lanes.fma_tail(a9, x0, w9, full)
-    a10 = lanes.fma_tail(a10, x0, w10, full)
-    a11 = lanes.fma_tail(a11, x0, w11, full)
+    a0 = lanes.fma_tail_rows(a0, x, x0, w, w0, full)
+    a1 = lanes.fma_tail_rows(a1, x, x0, w, w1, full)
+    a2 = lanes.fma_tail_rows(a2, x, x0, w, w2, full)
+    a3 = lanes.fma_tail_rows(a3, x, x0, w, w3, full)
+    a4 = lanes.fma_tail_rows(a4, x, x0, w, w4, full)
+    a5 = lanes.fma_tail_rows(a5, x, x0, w, w5, full)
+    a6 = lanes.fma_tail_rows(a6, x, x0, w, w6, full)
+    a7 = lanes.fma_tail_rows(a7, x, x0, w, w7, full)
+    a8 = lanes.fma_tail_rows(a8, x, x0, w, w8, full)
+    a9 = lanes.fma_tail_rows(a9, x, x0, w, w9, full)
+    a10 = lanes.fma_tail_rows(a10, x, x0, w, w10, full)
+    a11 = lanes.fma_tail_rows(a11, x, x0, w, w11, full)
     lanes.store(out, m0, c0, a0, bias)
     lanes.store(out, m0, c0 + ci, a1, bias)
     lanes.store(out, m0, c0 + 2 * ci, a2, bias)
@@ -386,49 +389,49 @@ def _block12x1(x, m0, w, c0, ci, cj, out, bias):  # pragma: no cover - compiled
 def _block6x2(x, m0, w, c0, ci, cj, out, bias):  # pragma: no cover - compiled
     # Token rows m0, m0 + 1 of x: (Mp, K) f32 against weight rows n = c0 + i * ci + j * cj
     # (i < 2, j < 3) of w into output columns n of out; as `_block12x1`, 12 accumulators.
-    x0 = x[m0]
-    x1 = x[m0 + 1]
+    x0 = m0
+    x1 = m0 + 1
     c1, c2 = c0 + cj, c0 + 2 * cj
     n0, n1, n2, n3, n4, n5 = c0, c0 + ci, c1, c1 + ci, c2, c2 + ci
-    w0, w1, w2, w3, w4, w5 = w[n0], w[n1], w[n2], w[n3], w[n4], w[n5]
+    w0, w1, w2, w3, w4, w5 = n0, n1, n2, n3, n4, n5
     a0 = a1 = a2 = a3 = a4 = a5 = b0 = b1 = b2 = b3 = b4 = b5 = lanes.zeros()
     length = x.shape[1]
     full = lanes.whole(length)
     for k in range(0, full, LANES):
         lanes.keep_rolled()
-        p = lanes.load(x0, k)
-        r = lanes.load(x1, k)
-        u = lanes.load(w0, k)
+        p = lanes.load_row(x, x0, k)
+        r = lanes.load_row(x, x1, k)
+        u = lanes.load_row(w, w0, k)
         a0 = lanes.fma(p, u, a0)
         b0 = lanes.fma(r, u, b0)
-        u = lanes.load(w1, k)
+        u = lanes.load_row(w, w1, k)
         a1 = lanes.fma(p, u, a1)
         b1 = lanes.fma(r, u, b1)
-        u = lanes.load(w2, k)
+        u = lanes.load_row(w, w2, k)
         a2 = lanes.fma(p, u, a2)
         b2 = lanes.fma(r, u, b2)
-        u = lanes.load(w3, k)
+        u = lanes.load_row(w, w3, k)
         a3 = lanes.fma(p, u, a3)
         b3 = lanes.fma(r, u, b3)
-        u = lanes.load(w4, k)
+        u = lanes.load_row(w, w4, k)
         a4 = lanes.fma(p, u, a4)
         b4 = lanes.fma(r, u, b4)
-        u = lanes.load(w5, k)
+        u = lanes.load_row(w, w5, k)
         a5 = lanes.fma(p, u, a5)
         b5 = lanes.fma(r, u, b5)
     # the elements past the last whole group of lanes, if any (a no-op where K % 8 == 0)
-    a0 = lanes.fma_tail(a0, x0, w0, full)
-    b0 = lanes.fma_tail(b0, x1, w0, full)
-    a1 = lanes.fma_tail(a1, x0, w1, full)
-    b1 = lanes.fma_tail(b1, x1, w1, full)
-    a2 = lanes.fma_tail(a2, x0, w2, full)
-    b2 = lanes.fma_tail(b2, x1, w2, full)
-    a3 = lanes.fma_tail(a3, x0, w3, full)
-    b3 = lanes.fma_tail(b3, x1, w3, full)
-    a4 = lanes.fma_tail(a4, x0, w4, full)
-    b4 = lanes.fma_tail(b4, x1, w4, full)
-    a5 = lanes.fma_tail(a5, x0, w5, full)
-    b5 = lanes.fma_tail(b5, x1, w5, full)
+    a0 = lanes.fma_tail_rows(a0, x, x0, w, w0, full)
+    b0 = lanes.fma_tail_rows(b0, x, x1, w, w0, full)
+    a1 = lanes.fma_tail_rows(a1, x, x0, w, w1, full)
+    b1 = lanes.fma_tail_rows(b1, x, x1, w, w1, full)
+    a2 = lanes.fma_tail_rows(a2, x, x0, w, w2, full)
+    b2 = lanes.fma_tail_rows(b2, x, x1, w, w2, full)
+    a3 = lanes.fma_tail_rows(a3, x, x0, w, w3, full)
+    b3 = lanes.fma_tail_rows(b3, x, x1, w, w3, full)
+    a4 = lanes.fma_tail_rows(a4, x, x0, w, w4, full)
+    b4 = lanes.fma_tail_rows(b4, x, x1, w, w4, full)
+    a5 = lanes.fma_tail_rows(a5, x, x0, w, w5, full)
+    b5 = lanes.fma_tail_rows(b5, x, x1, w, w5, full)
     lanes.store(out, m0, n0, a0, bias)
     lanes.store(out, m0 + 1, n0, b0, bias)
     lanes.store(out, m0, n1, a1, bias)
@@ -468,7 +471,7 @@ def _remainder(x, w, first, last, third, m0, rest, out, bias):  # pragma: no cov
             _block6x2(x, m0, w, q, 1, third, out, bias)
         q += step
     while q < last:
-        _block3(x, m0, w[q], w[q + third], w[q + 2 * third], out, q, q + third, q + 2 * third, bias)
+        _block3(x, m0, w, q, q + third, q + 2 * third, out, q, q + third, q + 2 * third, bias)
         q += 1
 
 
@@ -483,10 +486,10 @@ def linear4x4(x, w, bias, out, rows):  # pragma: no cover - compiled
         for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
             n1, n2, n3 = q + quarter, q + 2 * quarter, q + 3 * quarter
             for m0 in range(0, rows, ROW_BLOCK):
-                _block4(x, m0, w[q], w[n1], w[n2], w[n3], out, q, n1, n2, n3, bias)
+                _block4(x, m0, w, q, n1, n2, n3, out, q, n1, n2, n3, bias)
     for n in range(quarter * COL_BLOCK, w.shape[0]):
         for m0 in range(0, rows, ROW_BLOCK):
-            _block1(x, m0, w[n], out, n, bias)
+            _block1(x, m0, w, n, out, n, bias)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -514,12 +517,12 @@ def linear3x4(x, w, bias, out, rows, remainders):  # pragma: no cover - compiled
         first, last = task * PANEL, min(third, (task + 1) * PANEL)
         for m0 in range(0, full, ROW_BLOCK):
             for q in range(first, last):
-                _block3(x, m0, w[q], w[q + third], w[q + 2 * third], out, q, q + third, q + 2 * third, bias)
+                _block3(x, m0, w, q, q + third, q + 2 * third, out, q, q + third, q + 2 * third, bias)
         if rest:
             _remainder(x, w, first, last, third, full, rest, out, bias)
     for n in range(third * 3, w.shape[0]):
         for m0 in range(0, full + (ROW_BLOCK if rest else 0), ROW_BLOCK):
-            _block1(x, m0, w[n], out, n, bias)
+            _block1(x, m0, w, n, out, n, bias)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -535,9 +538,9 @@ def linear3x4_few(x, w, bias, out):  # pragma: no cover - compiled
         for q in range(task * CHUNK, min(half, (task + 1) * CHUNK)):
             _block6x2(x, 0, w, q, half, third, out, bias)
     for q in range(2 * half, third):
-        _block3(x, 0, w[q], w[q + third], w[q + 2 * third], out, q, q + third, q + 2 * third, bias)
+        _block3(x, 0, w, q, q + third, q + 2 * third, out, q, q + third, q + 2 * third, bias)
     for n in range(third * 3, w.shape[0]):
-        _block1(x, 0, w[n], out, n, bias)
+        _block1(x, 0, w, n, out, n, bias)
 
 
 NO_BIAS = np.zeros(0, np.float32)

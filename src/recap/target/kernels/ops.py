@@ -170,7 +170,7 @@ def _quad_scores(queries, keys, past, lengths, firsts, ancestors, units, b, scor
     asserts it)."""
     shared = past - past % KEY_BLOCK
     for j in range(0, shared, KEY_BLOCK):
-        _block3(queries, 4 * b, keys[j], keys[j + 1], keys[j + 2], scores, j, j + 1, j + 2, NO_BIAS)
+        _block3(queries, 4 * b, keys, j, j + 1, j + 2, scores, j, j + 1, j + 2, NO_BIAS)
     block = np.empty((4, KEY_BLOCK), np.float32)
     quad = queries[4 * b:4 * b + 4]
     for u in range(4 * b, min(4 * b + 4, units)):
@@ -179,7 +179,7 @@ def _quad_scores(queries, keys, past, lengths, firsts, ancestors, units, b, scor
             s0 = _key_slot(j, past, ancestors, first)
             s1 = _key_slot(j + 1, past, ancestors, first) if j + 1 < length else s0
             s2 = _key_slot(j + 2, past, ancestors, first) if j + 2 < length else s0
-            _block3(quad, 0, keys[s0], keys[s1], keys[s2], block, 0, 1, 2, NO_BIAS)
+            _block3(quad, 0, keys, s0, s1, s2, block, 0, 1, 2, NO_BIAS)
             for lane in range(min(KEY_BLOCK, length - j)):
                 scores[u, j + lane] = block[m, lane]
 
