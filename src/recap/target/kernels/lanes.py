@@ -58,7 +58,8 @@ class Lanes(types.Type):
         super().__init__(name=f"Lanes{LANES}xf32")
 
 
-lanes = Lanes()
+lanes_type = Lanes()
+"""The numba type of a `Lanes` value (the instance intrinsics are typed with)."""
 
 
 @register_model(Lanes)
@@ -79,7 +80,7 @@ def zeros(typingctx):  # pragma: no cover - compiled
     """`LANES` partial sums of +0."""
     def codegen(context, builder, signature, args):
         return ir.Constant(_VECTOR, [0.0] * LANES)
-    return lanes(), codegen
+    return lanes_type(), codegen
 
 
 _WIDTHS = {types.float32: None, types.uint16: "bfloat16", types.int16: "float16"}
@@ -98,7 +99,7 @@ def load(typingctx, array, start):  # pragma: no cover - compiled
         index = context.cast(builder, args[1], signature.args[1], types.intp)
         return _load(context, builder, signature.args[0], args[0], index, LANES, kind)
 
-    return lanes(array, start), codegen
+    return lanes_type(array, start), codegen
 
 
 @intrinsic
@@ -116,7 +117,7 @@ def load_row(typingctx, array, row, start):  # pragma: no cover - compiled
                             args[2], signature.args[2])
         return _load(context, builder, signature.args[0], args[0], index, LANES, kind)
 
-    return lanes(array, row, start), codegen
+    return lanes_type(array, row, start), codegen
 
 
 def _flat_index(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: ir.Value, row_type,
@@ -151,31 +152,31 @@ def _load(context, builder: ir.IRBuilder, array_type, array: ir.Value, index: ir
 @intrinsic
 def fma(typingctx, a, b, c):  # pragma: no cover - compiled
     """``a * b + c`` per lane, rounded once."""
-    if not (a == lanes and b == lanes and c == lanes):
+    if not (a == lanes_type and b == lanes_type and c == lanes_type):
         return None
 
     def codegen(context, builder, signature, args):
         return _fma(builder, *args)
 
-    return lanes(lanes, lanes, lanes), codegen
+    return lanes_type(lanes_type, lanes_type, lanes_type), codegen
 
 
 @intrinsic
 def add(typingctx, a, b):  # pragma: no cover - compiled
     """``a + b`` per lane."""
-    if not (a == lanes and b == lanes):
+    if not (a == lanes_type and b == lanes_type):
         return None
 
     def codegen(context, builder, signature, args):
         return builder.fadd(*args)
 
-    return lanes(lanes, lanes), codegen
+    return lanes_type(lanes_type, lanes_type), codegen
 
 
 @intrinsic
 def lane(typingctx, v, i):  # pragma: no cover - compiled
     """Partial sum ``i`` of ``v``."""
-    if not (v == lanes and isinstance(i, types.Integer)):
+    if not (v == lanes_type and isinstance(i, types.Integer)):
         return None
 
     def codegen(context, builder, signature, args):
@@ -187,14 +188,14 @@ def lane(typingctx, v, i):  # pragma: no cover - compiled
 @intrinsic
 def with_lane(typingctx, v, i, value):  # pragma: no cover - compiled
     """``v`` with partial sum ``i`` replaced by ``value``."""
-    if not (v == lanes and isinstance(i, types.Integer) and value == types.float32):
+    if not (v == lanes_type and isinstance(i, types.Integer) and value == types.float32):
         return None
 
     def codegen(context, builder, signature, args):
         index = context.cast(builder, args[1], signature.args[1], types.int32)
         return builder.insert_element(args[0], args[2], index)
 
-    return lanes(v, i, value), codegen
+    return lanes_type(v, i, value), codegen
 
 
 def _halves(builder: ir.IRBuilder, v: ir.Value, width: int) -> ir.Value:
@@ -217,7 +218,7 @@ def _sum_tree(builder: ir.IRBuilder, v: ir.Value) -> ir.Value:
 def total(typingctx, v):  # pragma: no cover - compiled
     """The sum of the partial sums by the fixed tree: halves added lane by lane until one
     is left (for 8 lanes: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7)))."""
-    if v != lanes:
+    if v != lanes_type:
         return None
 
     def codegen(context, builder, signature, args):
@@ -245,7 +246,7 @@ def fma_tail(typingctx, acc, x, w, start):  # pragma: no cover - compiled
     into its own lane ``k - start``, as a whole group would put them): a dot product's tail.
     ``x``: float32, ``w``: as `load` reads it; both C-contiguous 1-D of one length. An
     intrinsic, like `store`: the arrays pass without reference counting."""
-    if not (acc == lanes and isinstance(start, types.Integer)
+    if not (acc == lanes_type and isinstance(start, types.Integer)
             and all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" for a in (x, w))
             and x.dtype == types.float32 and w.dtype in _WIDTHS):
         return None
@@ -254,27 +255,17 @@ def fma_tail(typingctx, acc, x, w, start):  # pragma: no cover - compiled
     def codegen(context, builder, signature, args):
         _, x_type, w_type, start_type = signature.args
         partial, xs, ws, first = args
-        first = context.cast(builder, first, start_type, types.intp)
-        length = builder.extract_value(context.make_array(x_type)(context, builder, value=xs).shape, 0)
-        result = cgutils.alloca_once_value(builder, partial)
-        with cgutils.for_range(builder, builder.sub(length, first)) as loop:
-            k = builder.add(first, loop.index)
-            product_x = _load(context, builder, x_type, xs, k, 1, None)
-            product_w = _load(context, builder, w_type, ws, k, 1, kind)
-            slot = builder.trunc(loop.index, _I32)
-            current = builder.load(result)
-            updated = _fma(builder, product_x, product_w, builder.extract_element(current, slot))
-            builder.store(builder.insert_element(current, updated, slot), result)
-        return builder.load(result)
+        return _tail(context, builder, partial, context.cast(builder, first, start_type, types.intp),
+                     x_type, xs, lambda k: k, w_type, ws, lambda k: k, kind)
 
-    return lanes(acc, x, w, start), codegen
+    return lanes_type(acc, x, w, start), codegen
 
 
 @intrinsic
 def fma_tail_rows(typingctx, acc, x, x_row, w, w_row, start):  # pragma: no cover - compiled
     """`fma_tail` of rows ``x[x_row]`` and ``w[w_row]`` of C-contiguous 2-D arrays (row
     indices, not views: see `load_row`)."""
-    if not (acc == lanes and isinstance(start, types.Integer)
+    if not (acc == lanes_type and isinstance(start, types.Integer)
             and isinstance(x_row, types.Integer) and isinstance(w_row, types.Integer)
             and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (x, w))
             and x.dtype == types.float32 and w.dtype in _WIDTHS):
@@ -284,22 +275,34 @@ def fma_tail_rows(typingctx, acc, x, x_row, w, w_row, start):  # pragma: no cove
     def codegen(context, builder, signature, args):
         _, x_type, x_row_type, w_type, w_row_type, start_type = signature.args
         partial, xs, x_index, ws, w_index, first = args
-        first = context.cast(builder, first, start_type, types.intp)
-        length = builder.extract_value(context.make_array(x_type)(context, builder, value=xs).shape, 1)
-        result = cgutils.alloca_once_value(builder, partial)
-        with cgutils.for_range(builder, builder.sub(length, first)) as loop:
-            k = builder.add(first, loop.index)
-            x_at = _flat_index(context, builder, x_type, xs, x_index, x_row_type, k, types.intp)
-            w_at = _flat_index(context, builder, w_type, ws, w_index, w_row_type, k, types.intp)
-            product_x = _load(context, builder, x_type, xs, x_at, 1, None)
-            product_w = _load(context, builder, w_type, ws, w_at, 1, kind)
-            slot = builder.trunc(loop.index, _I32)
-            current = builder.load(result)
-            updated = _fma(builder, product_x, product_w, builder.extract_element(current, slot))
-            builder.store(builder.insert_element(current, updated, slot), result)
-        return builder.load(result)
 
-    return lanes(acc, x, x_row, w, w_row, start), codegen
+        def x_at(k):
+            return _flat_index(context, builder, x_type, xs, x_index, x_row_type, k, types.intp)
+
+        def w_at(k):
+            return _flat_index(context, builder, w_type, ws, w_index, w_row_type, k, types.intp)
+
+        return _tail(context, builder, partial, context.cast(builder, first, start_type, types.intp),
+                     x_type, xs, x_at, w_type, ws, w_at, kind)
+
+    return lanes_type(acc, x, x_row, w, w_row, start), codegen
+
+
+def _tail(context, builder: ir.IRBuilder, partial: ir.Value, first: ir.Value, x_type, xs: ir.Value,
+          x_at, w_type, ws: ir.Value, w_at, kind: str | None) -> ir.Value:
+    """The loop of `fma_tail` / `fma_tail_rows`: for k from ``first`` to the end of x's last
+    axis, lane k - first of ``partial`` takes fma(x[x_at(k)], w[w_at(k)]) (flat indices)."""
+    length = builder.extract_value(context.make_array(x_type)(context, builder, value=xs).shape, x_type.ndim - 1)
+    result = cgutils.alloca_once_value(builder, partial)
+    with cgutils.for_range(builder, builder.sub(length, first)) as loop:
+        k = builder.add(first, loop.index)
+        product_x = _load(context, builder, x_type, xs, x_at(k), 1, None)
+        product_w = _load(context, builder, w_type, ws, w_at(k), 1, kind)
+        slot = builder.trunc(loop.index, _I32)
+        current = builder.load(result)
+        updated = _fma(builder, product_x, product_w, builder.extract_element(current, slot))
+        builder.store(builder.insert_element(current, updated, slot), result)
+    return builder.load(result)
 
 
 @njit(inline="always")
@@ -314,7 +317,7 @@ def store(typingctx, out, row, column, acc, bias):  # pragma: no cover - compile
     is empty): a dot product's result. An intrinsic, so the arrays pass without reference
     counting (a numba helper taking them cost each result atomic reference updates)."""
     if not (isinstance(out, types.Array) and out.ndim == 2 and out.dtype == types.float32
-            and isinstance(row, types.Integer) and isinstance(column, types.Integer) and acc == lanes
+            and isinstance(row, types.Integer) and isinstance(column, types.Integer) and acc == lanes_type
             and isinstance(bias, types.Array) and bias.ndim == 1 and bias.dtype == types.float32):
         return None
 

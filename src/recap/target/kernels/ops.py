@@ -5,8 +5,9 @@ so a row's result never depends on the other rows of the step, the machine or th
 count. Dot products and sums run in `lanes` order (a fixed number of partial sums, fused
 multiply-adds, a fixed final tree: no ``fastmath`` reassociation anywhere); softmax, RoPE and
 SiLU keep IEEE order element by element (vectorised across elements, which reorders
-nothing), and their ``exp`` is `exp32`, which vectorises. ``error_model="numpy"`` lets divisions vectorise too (a float
-division by zero gives inf instead of raising, which none of these can meet anyway).
+nothing), and their ``exp`` is `exp32`, which vectorises. ``error_model="numpy"`` lets
+divisions vectorise too (a float division by zero gives inf instead of raising, which none
+of these can meet anyway).
 """
 
 from __future__ import annotations
@@ -19,17 +20,11 @@ from numba import njit, prange
 from recap.target.kernels import lanes
 from recap.target.kernels.exp import exp32
 from recap.target.kernels.lanes import LANES
-from recap.target.kernels.linear import NO_BIAS, _block3
+from recap.target.kernels.linear import NO_BIAS, KernelDefect, _block3
 
 KEY_BLOCK = 3
 """Keys scored together by `_quad_scores` (the 3x4 block of the linear layers: 3 keys x 4
 queries), at positions 3b, 3b + 1, 3b + 2 of every query's key sequence."""
-
-
-@njit(inline="always")
-def _sum_squares(a):  # pragma: no cover - compiled
-    # a: (D,) f32 -> a . a, in `lanes.dot`'s order
-    return lanes.dot(a, a)
 
 
 @njit(cache=True, nogil=True)
@@ -37,7 +32,7 @@ def rms_norm(x, weight, eps, out, rows):  # pragma: no cover - compiled
     """out[i] = weight * x[i] / sqrt(mean(x[i]^2) + eps) for i < rows. x, out: (Mp, C) f32."""
     width = x.shape[1]
     for i in range(rows):
-        scale = np.float32(1.0) / np.sqrt(_sum_squares(x[i]) / np.float32(width) + np.float32(eps))
+        scale = np.float32(1.0) / np.sqrt(lanes.dot(x[i], x[i]) / np.float32(width) + np.float32(eps))
         for c in range(width):
             out[i, c] = weight[c] * (x[i, c] * scale)
 
@@ -276,8 +271,6 @@ class QuadAttention:
     MIN_GROUPS = 3
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int):
-        from recap.target.kernels.linear import KernelDefect
-
         if not block_slots_exact(head_dim):
             raise KernelDefect(f"quad attention gives a query other bits in another slot (head size {head_dim}): "
                                "its score block no longer follows `lanes` order")

@@ -14,7 +14,6 @@ import threading
 
 import numba
 import torch
-from numba.np.ufunc.parallel import _launch_threads
 
 _started = False
 _lock = threading.Lock()
@@ -31,7 +30,7 @@ def start_pool() -> None:
             return
         threads = torch.get_num_threads()
         try:
-            _launch_threads()
+            numba.get_num_threads()  # launches the pool on its first call
         finally:
             if torch.get_num_threads() != threads:
                 torch.set_num_threads(threads)
