@@ -4,6 +4,7 @@ in turns, one process each:
 
     NUMBA_NUM_THREADS=1 python benchmarks/step_times.py --src ../old/src --label old
     NUMBA_NUM_THREADS=1 python benchmarks/step_times.py --label new
+    python benchmarks/step_times.py --weights stored   # GGUF blocks read as stored (issue 45)
 
 Prints one JSON line: the thread counts read back (torch's, numba's), load seconds (compile
 included on a cold numba cache) and the median ms of ``--repeats`` verify + commit steps per
@@ -30,6 +31,7 @@ def main() -> int:
     parser.add_argument("--sizes", default="1,2,4,5,8")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--weights", default="", help="stored or float (trees since issue 45)")
     args = parser.parse_args()
     sys.path.insert(0, args.src)
     import numba
@@ -40,11 +42,13 @@ def main() -> int:
     from recap.target.profile import measure_times
 
     started = time.perf_counter()
-    target = recap.load(args.model, kernels="fast")
+    options = {"weights": args.weights} if args.weights else {}
+    target = recap.load(args.model, kernels="fast", **options)
     loaded = time.perf_counter() - started
     sizes = [int(size) for size in args.sizes.split(",")]
     times = measure_times(target, sizes, [args.context], args.repeats, warmup=True)
-    print(json.dumps({"label": args.label, "torch": torch.get_num_threads(), "numba": numba.get_num_threads(),
+    print(json.dumps({"label": args.label, "weights": getattr(target, "weights", "float"),
+                      "torch": torch.get_num_threads(), "numba": numba.get_num_threads(),
                       "load_s": round(loaded, 1),
                       "ms": {size: round(float(t) * 1e3, 2) for size, t in zip(sizes, times[0])}}), flush=True)
     return 0

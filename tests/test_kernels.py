@@ -14,7 +14,7 @@ from numba import njit
 import recap
 from recap.core import DraftTree
 from recap.errors import InputError
-from recap.target.kernels import lanes, ops, unsupported
+from recap.target.kernels import lanes, ops, unsupported, widen
 from recap.target.kernels import linear as kernel_linear
 from recap.target.kernels.exp import exp32
 from recap.target.kernels.linear import Linear, padded_rows
@@ -295,11 +295,18 @@ def _widen_all(stored, out):  # pragma: no cover - compiled
         out[tail + i] = lanes.lane(widened, i)
 
 
+@pytest.mark.parametrize("f16c", [True, False], ids=["f16c", "integer-ops"])
 @pytest.mark.parametrize("float16", [False, True])
-def test_widening_is_exact_for_every_16_bit_pattern(float16):
+def test_widening_is_exact_for_every_16_bit_pattern(float16, f16c, monkeypatch):
+    """float16 is widened by ``vcvtph2ps`` where the CPU has F16C and by integer operations
+    where it has not (a baseline x86-64 build: `widen.half_to_float`); both exactly."""
     patterns = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
     out = np.zeros(1 << 16, np.float32)
-    _widen_all(storage(patterns, float16=float16), out)
+    widen_all = _widen_all
+    if not f16c:
+        monkeypatch.setattr(widen, "compiles_for", lambda feature: False)
+        widen_all = njit(_widen_all.py_func)  # compiled now, without F16C instructions
+    widen_all(storage(patterns, float16=float16), out)
     expected = patterns.view(np.float16).astype(np.float32) if float16 else (patterns.astype(np.uint32) << 16).view(
         np.float32)
     nan = np.isnan(expected)

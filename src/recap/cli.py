@@ -48,6 +48,10 @@ def _kernels_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", choices=["auto", "fast", "stock"], default="auto",
                         help="decode/verify steps: fast (the project's batch-invariant CPU kernels), stock "
                              "(transformers' forward); auto (default): fast on CPU where the model is supported")
+    parser.add_argument("--weights", choices=["auto", "stored", "float"], default="auto",
+                        help="what the fast steps read for a model that came from a GGUF file: stored (its "
+                             "blocks, de-quantised in registers to the float weights, bit for bit), float (the "
+                             "de-quantised copy); auto (default): stored where the file's blocks match")
 
 
 def _sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -209,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise InputError(f"--budget cannot be negative, got {args.budget}")
         return run_demo(args.model, methods, dtype=args.dtype, max_new_tokens=args.max_new_tokens,
                         budget=args.budget, out=args.out, cost_profile=args.cost_profile, memory=args.memory,
-                        kernels=args.kernels)
+                        kernels=args.kernels, weights=args.weights)
     except InputError as error:
         print(f"recap: error: {error}", file=sys.stderr)
         return 2
@@ -253,7 +257,7 @@ def _generate(args: argparse.Namespace) -> int:
     image = load_image(args.image) if args.image else None
     proposer = _make_method(args)
     sampling = _sampling(args, args.seed)
-    target = load(args.model, dtype=args.dtype, top_k=args.row_size, kernels=args.kernels)
+    target = load(args.model, dtype=args.dtype, top_k=args.row_size, kernels=args.kernels, weights=args.weights)
     target.use_cost_profile(args.cost_profile)
     if image is not None and not target.accepts_images:
         raise InputError(f"{args.model} is a text-only model: it cannot take an image")
@@ -298,7 +302,7 @@ def _check(args: argparse.Namespace) -> int:
 
     proposer = _make_method(args)
     sampling = _sampling(args, None)
-    target = load(args.model, dtype=args.dtype, top_k=args.row_size, kernels=args.kernels)
+    target = load(args.model, dtype=args.dtype, top_k=args.row_size, kernels=args.kernels, weights=args.weights)
     target.use_cost_profile(args.cost_profile)
     _note_text_only(args, target)
     if sampling is not None:
@@ -409,7 +413,7 @@ def _bench(args: argparse.Namespace) -> int:
                          dtype=args.dtype, threads=args.threads, max_new_tokens=args.max_new_tokens,
                          seed=args.seed, out=Path(args.out), warmup=not args.no_warmup,
                          cost_profile=args.cost_profile, temperature=args.temperature or None, top_k=args.top_k,
-                         top_p=args.top_p, kernels=args.kernels, reference=args.reference)
+                         top_p=args.top_p, kernels=args.kernels, weights=args.weights, reference=args.reference)
     if args.temperature:
         _sampling(args, 0)  # bad values are reported now, not at the first unit
     run = run_bench(config, console=console)
@@ -460,7 +464,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         raise InputError(f"unknown --device {args.device!r}: {str(error).splitlines()[0]}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError("--device cuda: this torch build or machine has no CUDA device")
-    target = load(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels)
+    target = load(args.model, dtype=args.dtype, device=args.device, kernels=args.kernels, weights=args.weights)
     started = time.perf_counter()
     with Progress(transient=True, disable=args.json) as progress:
         task = progress.add_task(f"verify cost of {args.model}", total=None)
@@ -612,7 +616,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise InputError(f"--allow-local-images {args.allow_local_images}: not a folder (it takes the folder "
                          "images may be read from)")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
-    target = load(args.model, dtype=args.dtype, kernels=args.kernels)
+    target = load(args.model, dtype=args.dtype, kernels=args.kernels, weights=args.weights)
     target.use_cost_profile(args.cost_profile)
     name = args.model if args.model in BUILTIN else os.path.basename(os.path.normpath(args.model))
     config = ServerConfig(model_name=name, method=args.method, api_keys=keys, memory_dir=args.memory_dir,
@@ -653,7 +657,8 @@ def _scaled_engine(args: argparse.Namespace):
     model = args.model if args.model in BUILTIN else absolute(args.model)
     profile = args.cost_profile if args.cost_profile in ("auto", "flat") else absolute(args.cost_profile)
     memory = os.path.abspath(args.memory_dir) if args.memory_dir is not None else None
-    spec = ReplicaSpec(model=model, dtype=args.dtype, kernels=args.kernels, cost_profile=profile,
+    spec = ReplicaSpec(model=model, dtype=args.dtype, kernels=args.kernels, weights=args.weights,
+                       cost_profile=profile,
                        threads=args.threads, method=args.method, memory_dir=memory, memory_rows=args.memory_rows,
                        max_queue=args.max_queue, max_batch=args.max_batch,
                        shared_budget=args.batch_budget == "shared")

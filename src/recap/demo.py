@@ -72,11 +72,12 @@ def demo_inputs(target, out: Path) -> list[DemoInput]:
 
 def run_demo(model: str = "recap-demo-vlm", methods: tuple[str, ...] = DEMO_METHODS, *, dtype: str = "float32",
              max_new_tokens: int = 64, budget: int | None = None, out: str | Path = "demo-out",
-             cost_profile: str | None = "auto", memory: str | Path | None = "auto", kernels: str = "auto") -> int:
+             cost_profile: str | None = "auto", memory: str | Path | None = "auto", kernels: str = "auto",
+             weights: str = "auto") -> int:
     """``memory``: a RECAP memory file for the ``recap+memory`` column; ``auto`` is the shipped
     one on the demo VLM (no column on other models), None or ``none`` drops the column."""
     console = Console(width=max(Console().width, 110))
-    target = load(model, dtype=dtype, kernels=kernels)
+    target = load(model, dtype=dtype, kernels=kernels, weights=weights)
     target.use_cost_profile(cost_profile)
     memory = _memory_file(model, memory)
     if memory is not None:
@@ -86,7 +87,7 @@ def run_demo(model: str = "recap-demo-vlm", methods: tuple[str, ...] = DEMO_METH
         methods = (*methods, WITH_MEMORY)
     names = ["ar", *methods]
     budget_note = f" (recap budget {budget})" if "recap" in methods and budget is not None else ""
-    console.print(f"[bold]RECAP demo[/]: {model}, {dtype}, {target.kernels} kernels, "
+    console.print(f"[bold]RECAP demo[/]: {model}, {dtype}, {target.kernels} kernels ({target.weights} weights), "
                   f"{torch.get_num_threads()} thread(s), AR vs {', '.join(methods)}{budget_note}, "
                   f"{max_new_tokens} new tokens at most; the inputs run as "
                   "one stream per method")

@@ -22,6 +22,7 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -58,16 +59,35 @@ def model_cache_dir() -> Path:
 
 # --------------------------------------------------------------------------- public API
 def load(model: str | os.PathLike | tuple[Any, Any], *, dtype: str = "float32", device: str = "cpu",
-         top_k: int = 8, kernels: str = "auto") -> TargetModel:
-    """A ready `TargetModel` from a built-in name, a local model folder or (model, processor).
-    ``kernels``: ``auto`` (the project's fast decode steps on CPU where the architecture is
-    supported, transformers' elsewhere), ``fast`` or ``stock``."""
+         top_k: int = 8, kernels: str = "auto", weights: str = "auto") -> TargetModel:
+    """A ready `TargetModel` from a built-in name, a local model folder, a ``.gguf`` file (or a
+    folder holding one) or (model, processor). ``kernels``: ``auto`` (the project's fast
+    decode steps on CPU where the architecture is supported, transformers' elsewhere),
+    ``fast`` or ``stock``. ``weights``: what the fast steps read for a model that came from
+    a GGUF file: ``auto`` / ``stored`` (the file's blocks, de-quantised in registers to the
+    float weights bit for bit) or ``float`` (the de-quantised copy)."""
+    gguf_file = None
     if isinstance(model, tuple):
         hf_model, processor = model
     else:
         hf_model, processor = load_pretrained(str(model), dtype=dtype)
+        gguf_file = gguf_source(str(model))
     hf_model = hf_model.to(device)
-    return wrap(hf_model, processor, top_k=top_k, kernels=kernels)
+    return wrap(hf_model, processor, top_k=top_k, kernels=kernels, weights=weights, gguf_file=gguf_file)
+
+
+def gguf_source(name: str) -> Path | None:
+    """The GGUF file a built-in name, a ``.gguf`` path or a folder holding one was
+    de-quantised from (None: the model did not come from one)."""
+    if name == "smollm2-135m":
+        return smollm2_gguf()
+    path = Path(name)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").exists():
+        files = sorted(path.glob("*.gguf"))
+        return files[0] if len(files) == 1 else None
+    return None
 
 
 def load_pretrained(name: str, *, dtype: str = "float32") -> tuple[PreTrainedModel, Any]:
@@ -76,12 +96,24 @@ def load_pretrained(name: str, *, dtype: str = "float32") -> tuple[PreTrainedMod
         raise InputError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
     if name in BUILTIN:
         folder = _cached_build(name, BUILTIN[name], tag=_build_tag(name))
+    elif (gguf := gguf_source(name)) is not None:
+        return _load_gguf(gguf, DTYPES[dtype])
     elif Path(name).is_dir():
         folder = Path(name)
     else:
         raise InputError(f"unknown model {name!r}: not a built-in name ({', '.join(BUILTIN)}) "
                          f"and not a local model folder")
     return _load_folder(folder, DTYPES[dtype])
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
+    """A causal LM and its tokenizer from a GGUF file (transformers de-quantises it to float)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    except (OSError, ValueError, KeyError, struct.error) as error:
+        raise InputError(f"{path} is not a GGUF model transformers can load: {_first_line(error)}") from None
+    return model.eval(), tokenizer
 
 
 def _load_folder(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:

@@ -72,6 +72,8 @@ class BenchConfig:
     top_p: float | None = None
     kernels: str = "auto"
     """The target's decode-step path (`TargetModel.use_kernels`) for every method."""
+    weights: str = "auto"
+    """What the fast steps read (`TargetModel.weights`: GGUF blocks as stored, or floats)."""
     reference: str | None = None
     """``stock``: also run plain AR on stock transformers (``ar-stock``), paired in the run,
     compared with AR for agreement only (on fast kernels near-ties may differ)."""
@@ -166,6 +168,7 @@ class Bench:
                 "cpu": machine()["cpu"], "warmup": self.config.warmup, "cost_profile": self._cost_spec(),
                 **({"device": self.config.device} if self.config.device != "cpu" else {}),
                 **({"kernels": self.config.kernels} if self.config.kernels != "auto" else {}),
+                **({"weights": self.config.weights} if self.config.weights != "auto" else {}),
                 **({"sampling": {"temperature": self.config.temperature, "top_k": self.config.top_k,
                                  "top_p": self.config.top_p}} if self.config.temperature else {})}
 
@@ -179,7 +182,7 @@ class Bench:
             from recap.models import load
 
             self.target = load(self.config.model, dtype=self.config.dtype, device=self.config.device,
-                               kernels=self.config.kernels)
+                               kernels=self.config.kernels, weights=self.config.weights)
         else:
             self.target.use_kernels(self.config.kernels)
         self.kernels = self.target.kernels
@@ -214,6 +217,7 @@ class Bench:
         done = latest_rows(rows)
         pending = [u for u in self.units if not all((u.key, label) in done for label in self.labels)]
         session = {"started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "kernels": target.kernels,
+                   "weights": target.weights,
                    "units_done_before": len(self.units) - len(pending), "units_selected": len(self.units),
                    "machine": machine(), "versions": versions(), "threads": self.config.threads,
                    "stream_events": []}

@@ -49,6 +49,7 @@ class ReplicaSpec:
     model: str
     dtype: str = "float32"
     kernels: str = "auto"
+    weights: str = "auto"
     cost_profile: Any = "auto"
     threads: int | None = None
     method: str = "recap"
@@ -75,7 +76,7 @@ class Replica:
         logging.basicConfig(level=logging.INFO, format="%(levelname)s: %(message)s")
         if spec.threads:
             torch.set_num_threads(spec.threads)
-        self.target = load(spec.model, dtype=spec.dtype, kernels=spec.kernels)
+        self.target = load(spec.model, dtype=spec.dtype, kernels=spec.kernels, weights=spec.weights)
         self.target.use_cost_profile(spec.cost_profile)
         self.tenants = SharedTenantStreams(spec.method, self.target.vocab_size, spec.memory_dir, spec.memory_rows,
                                            use_lock=spec.use_lock)

@@ -7,6 +7,7 @@ stand-in) is the `Target` protocol (`recap.target.protocol`).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -25,14 +26,17 @@ FAMILIES: dict[str, type[TargetModel]] = {
 """``config.model_type`` -> adapter. Other decoder-only ``*ForCausalLM`` models use `TargetModel`."""
 
 
-def wrap(model: torch.nn.Module, processor: Any, *, top_k: int = 8, kernels: str = "auto") -> TargetModel:
+def wrap(model: torch.nn.Module, processor: Any, *, top_k: int = 8, kernels: str = "auto", weights: str = "auto",
+         gguf_file: str | os.PathLike | None = None) -> TargetModel:
     """The adapter for an already loaded model and its processor (or tokenizer); ``kernels``
-    picks the decode-step path (`TargetModel.use_kernels`)."""
+    picks the decode-step path (`TargetModel.use_kernels`), ``weights`` what it reads
+    (`TargetModel.weights`; ``gguf_file``: the file the model was de-quantised from)."""
     model_type = getattr(model.config, "model_type", "")
+    options = dict(top_k=top_k, kernels=kernels, weights=weights, gguf_file=gguf_file)
     if model_type in FAMILIES:
-        return FAMILIES[model_type](model, processor, top_k=top_k, kernels=kernels)
+        return FAMILIES[model_type](model, processor, **options)
     if type(model).__name__.endswith("ForCausalLM") and not getattr(model.config, "is_encoder_decoder", False):
-        return TargetModel(model, processor, top_k=top_k, kernels=kernels)
+        return TargetModel(model, processor, **options)
     raise InputError(f"unsupported architecture {type(model).__name__} ({model_type or 'no model_type'}); "
                      f"supported: decoder-only *ForCausalLM models and {', '.join(sorted(FAMILIES))}")
 

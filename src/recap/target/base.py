@@ -15,8 +15,10 @@ import functools
 import inspect
 import os
 import threading
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,6 +43,10 @@ from recap.target.kernels.args import language_model
 from recap.target.kernels.prefix import PREFILL_CHUNK, ChunkedPrefill
 from recap.target.protocol import BaseTarget
 from recap.target.sampling import Sampler
+
+WEIGHTS = ("auto", "stored", "float")
+"""What the fast kernels read (`TargetModel.weights`): ``stored`` GGUF blocks, ``float`` the
+model's tensors, ``auto`` stored where the model came from a GGUF file whose blocks match."""
 
 Message = dict[str, Any]
 
@@ -127,7 +133,8 @@ class TargetModel(BaseTarget):
     accepts_images = False
     can_sample = True
 
-    def __init__(self, model: torch.nn.Module, processor: Any, *, top_k: int = 8, kernels: str = "auto"):
+    def __init__(self, model: torch.nn.Module, processor: Any, *, top_k: int = 8, kernels: str = "auto",
+                 weights: str = "auto", gguf_file: str | os.PathLike | None = None):
         self.model = model.eval()
         self.processor = processor
         self.tokenizer = getattr(processor, "tokenizer", processor)
@@ -148,6 +155,12 @@ class TargetModel(BaseTarget):
         """``fast``: decode and verify steps on the project's own kernels (`recap.target.kernels`);
         ``stock``: transformers' forward. Set by `use_kernels`."""
         self._fast: Any = None
+        if weights not in WEIGHTS:
+            raise InputError(f"unknown weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
+        self._weights_wanted = weights
+        self.gguf_file = None if gguf_file is None else Path(gguf_file)
+        """The GGUF file the model was de-quantised from (None: not known): the fast kernels
+        read its blocks as stored where `weights` allows."""
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         """Whether the model's forward takes ``logits_to_keep`` (transformers' causal LMs and VLMs do)."""
         self.use_kernels(kernels)
@@ -222,14 +235,40 @@ class TargetModel(BaseTarget):
             if reason is not None and kernels == "fast":
                 raise InputError(f"--kernels fast does not support {self.name}: {reason}")
             kernels = "stock" if reason is not None else "fast"
+        if self._weights_wanted == "stored" and (kernels == "stock" or self.gguf_file is None):
+            raise InputError("--weights stored needs the fast kernels and a model loaded from a GGUF file "
+                             f"({self.name} was not)" if self.gguf_file is None else
+                             "--weights stored needs the fast kernels (the stock path reads float weights)")
         if kernels == "fast" and self._fast is None:
             from recap.target.kernels.prefix import PrefixCache
 
-            self._fast = FastDecoder(self.model)
+            self._fast = self._fast_decoder(FastDecoder)
             self.prefix_cache = PrefixCache()
             """Recent prompts' KV rows, shared by every lane (`recap.target.kernels.prefix`)."""
         self.kernels = kernels  # an automatic cost profile follows: the kernels are part of its key
         return self.kernels
+
+    def _fast_decoder(self, decoder: type) -> Any:
+        """The fast decoder, on the GGUF file's blocks where `weights` asks for them (``auto``:
+        where the file is known and its blocks match the model; a mismatch falls back to the
+        float weights with a warning) and on the model's float weights otherwise."""
+        from recap.target.kernels.stored import StoredWeights, WeightsMismatch
+
+        if self._weights_wanted == "float" or self.gguf_file is None:
+            return decoder(self.model)
+        try:
+            return decoder(self.model, stored=StoredWeights.open(self.gguf_file))
+        except WeightsMismatch as error:
+            if self._weights_wanted == "stored":
+                raise
+            warnings.warn(f"reading float weights: {error}", stacklevel=3)
+            return decoder(self.model)
+
+    @property
+    def weights(self) -> str:
+        """What the decode steps read: ``stored`` (GGUF blocks, de-quantised in registers to
+        the float weights, bit for bit) or ``float`` (the model's own tensors)."""
+        return self._fast.weights if self.kernels == "fast" else "float"
 
     @property
     def name(self) -> str:

@@ -79,6 +79,7 @@ def profile_key(target: TargetModel) -> dict:
             "kernels": target.kernels, "threads": torch.get_num_threads(),
             "kernels_revision": KERNELS_REVISION if target.kernels == "fast" else 0,
             "linear_block": f"{linear.WEIGHT_ROWS}x{ROW_BLOCK}" if target.kernels == "fast" else "",
+            "weights": target.weights,
             "device": str(device), "gpu": gpu, "cpu": _cpu_model(), "torch": torch.__version__,
             "transformers": transformers.__version__, "version": PROFILE_VERSION}
 

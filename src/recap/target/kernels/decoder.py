@@ -15,10 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from recap.target.kernels import ops, threads
+from recap.target.kernels import ops, quantized, quantized_linear, threads
 from recap.target.kernels.args import DecoderArgs, language_model
 from recap.target.kernels.cache import KVCache
 from recap.target.kernels.linear import ROW_BLOCK, Linear, padded_rows
+from recap.target.kernels.stored import StoredWeights
 
 
 def _weight(tensor: torch.Tensor) -> np.ndarray:
@@ -34,9 +35,13 @@ def _vector(tensor: torch.Tensor | None) -> np.ndarray | None:
     return None if tensor is None else tensor.detach().float().numpy().copy()
 
 
-def _linear(module: torch.nn.Module) -> Linear:
-    return Linear(_weight(module.weight), _vector(getattr(module, "bias", None)),
-                  float16=module.weight.dtype == torch.float16)
+def _linear(module: torch.nn.Module, stored: np.ndarray | None = None) -> Linear:
+    """The module's weight read as stored in the model (float or 16-bit), or its GGUF blocks
+    (``stored``, checked by `StoredWeights.blocks` to de-quantise to that weight)."""
+    bias = _vector(getattr(module, "bias", None))
+    if stored is not None:
+        return Linear(stored, bias)
+    return Linear(_weight(module.weight), bias, float16=module.weight.dtype == torch.float16)
 
 
 @dataclass
@@ -76,24 +81,37 @@ class _Buffers:
 class FastDecoder:
     """Decode / verify steps for a supported model (`recap.target.kernels.unsupported`)."""
 
-    def __init__(self, model: torch.nn.Module, *, warm_rows: tuple[int, ...] = (1, 8)):
+    def __init__(self, model: torch.nn.Module, *, warm_rows: tuple[int, ...] = (1, 8),
+                 stored: StoredWeights | None = None):
+        """``stored``: the GGUF file the model was de-quantised from; its block tensors are then
+        read as stored (each checked to de-quantise to the model's weight: `StoredWeights`)."""
         config = model.config.get_text_config(decoder=True)
         self.args = args = DecoderArgs.from_hf(config)
         decoder = language_model(model)
         self._rotary = decoder.rotary_emb
-        self.embed = _weight(decoder.embed_tokens.weight)
+
+        def blocks(role: str, layer: int | None, weight: torch.Tensor) -> np.ndarray | None:
+            if stored is None:
+                return None
+            return stored.blocks(role, layer, weight, heads=args.heads, kv_heads=args.kv_heads)
+
+        embed_blocks = blocks("embed", None, decoder.embed_tokens.weight)
+        self.embed = _weight(decoder.embed_tokens.weight) if embed_blocks is None else embed_blocks
         self._embed_float16 = decoder.embed_tokens.weight.dtype == torch.float16
         self.layers = []
-        for layer in decoder.layers:
+        for i, layer in enumerate(decoder.layers):
             attn, mlp = layer.self_attn, layer.mlp
-            self.layers.append(_Layer(
-                input_norm=_vector(layer.input_layernorm.weight), q=_linear(attn.q_proj), k=_linear(attn.k_proj),
-                v=_linear(attn.v_proj), o=_linear(attn.o_proj),
-                post_norm=_vector(layer.post_attention_layernorm.weight),
-                gate=_linear(mlp.gate_proj), up=_linear(mlp.up_proj), down=_linear(mlp.down_proj)))
+            modules = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj,
+                       "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
+            linears = {role: _linear(module, blocks(role, i, module.weight)) for role, module in modules.items()}
+            self.layers.append(_Layer(input_norm=_vector(layer.input_layernorm.weight),
+                                      post_norm=_vector(layer.post_attention_layernorm.weight), **linears))
         self.norm = _vector(decoder.norm.weight)
-        self.head = _linear(model.get_output_embeddings())
-        linears = [linear for layer in self.layers for linear in layer.linears()] + [self.head]
+        head = model.get_output_embeddings()
+        self.head = _linear(head, blocks("head", None, head.weight))
+        self.weights = "stored" if any(linear.blocks for linear in self._linears()) else "float"
+        """``stored`` where some layer reads GGUF blocks as stored, else ``float``."""
+        linears = self._linears()
         self.row_block = 1 if all(linear.remainders for linear in linears) else ROW_BLOCK
         """How a step's cost grows with its rows (`recap.core.cost.CostProfile.row_block`): in
         blocks of 4, or row by row where every layer runs the last 1 or 2 rows of a step past 4
@@ -113,6 +131,9 @@ class FastDecoder:
         self._warm(warm_rows)
 
     # ------------------------------------------------------------------ set-up
+    def _linears(self) -> list[Linear]:
+        return [linear for layer in self.layers for linear in layer.linears()] + [self.head]
+
     def _rope_tables(self, positions: int) -> None:
         """cos/sin for positions [0, positions), from the model's own rotary module (float32)."""
         if positions <= len(self._cos):
@@ -162,6 +183,9 @@ class FastDecoder:
 
     # ------------------------------------------------------------------ the step
     def _embed(self, tokens: np.ndarray, out: np.ndarray) -> None:
+        if quantized.format_of(self.embed.dtype) is not None:
+            quantized_linear.dequantize_rows(self.embed, tokens, out)
+            return
         rows = self.embed[tokens]
         if rows.dtype == np.float32:
             out[: len(tokens)] = rows

@@ -29,7 +29,9 @@ the rows beside it, the thread count, or the instruction set. 8 lanes fill one A
 would spill every AVX2 block): the trade is written down in docs/kernels.md.
 
 Stored 16-bit weights load widened (`load` on ``uint16`` bfloat16 bits or ``int16`` float16
-bits, see `widen.storage`): every 16-bit float is exactly a float32.
+bits, see `widen.storage`): every 16-bit float is exactly a float32. Stored GGUF blocks load
+de-quantised (`load_row` on a `quantized` block tensor), by the very float32 operations the
+float weights were made with.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
+
+from recap.target.kernels import quantized, widen
 
 LANES = 8
 """Partial sums per dot product. Part of the arithmetic's definition: changing it changes
@@ -102,22 +106,79 @@ def load(typingctx, array, start):  # pragma: no cover - compiled
     return lanes_type(array, start), codegen
 
 
+def _readable(array) -> bool:
+    """Whether the kernels read rows of ``array``: float32, 16-bit float bits, or GGUF blocks."""
+    return array.dtype in _WIDTHS or quantized.numba_format(array.dtype) is not None
+
+
 @intrinsic
 def load_row(typingctx, array, row, start):  # pragma: no cover - compiled
     """``array[row, start:start + LANES]`` widened to float32: ``array`` a C-contiguous 2-D
-    array (as `load` reads it). A row index instead of a row view: a view is reference
-    counted (atomic updates each time a block makes one), an index is not."""
+    array (as `load` reads it), or a stored GGUF block tensor (`quantized`: weights ``start``
+    .. of the row, de-quantised; ``start`` a multiple of `LANES`). A row index instead of a
+    row view: a view is reference counted (atomic updates each time a block makes one), an
+    index is not."""
     if not (isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C"
-            and array.dtype in _WIDTHS and isinstance(row, types.Integer) and isinstance(start, types.Integer)):
+            and _readable(array) and isinstance(row, types.Integer) and isinstance(start, types.Integer)):
         return None
-    kind = _WIDTHS[array.dtype]
+    kind = _WIDTHS.get(array.dtype)
 
     def codegen(context, builder, signature, args):
-        index = _flat_index(context, builder, signature.args[0], args[0], args[1], signature.args[1],
-                            args[2], signature.args[2])
-        return _load(context, builder, signature.args[0], args[0], index, LANES, kind)
+        array_type, row_type, start_type = signature.args
+        if kind is None and array_type.dtype not in _WIDTHS:
+            return quantized.load_group(context, builder, array_type, args[0],
+                                        context.cast(builder, args[1], row_type, types.intp),
+                                        context.cast(builder, args[2], start_type, types.intp), LANES)
+        index = _flat_index(context, builder, array_type, args[0], args[1], row_type, args[2], start_type)
+        return _load(context, builder, array_type, args[0], index, LANES, kind)
 
     return lanes_type(array, row, start), codegen
+
+
+GROUPS = 4
+"""Groups of `LANES` `load_block` returns: 32 weights, one block of the 32-weight GGUF formats."""
+
+
+@intrinsic
+def load_block(typingctx, array, row, start):  # pragma: no cover - compiled
+    """Weights ``start .. start + GROUPS * LANES - 1`` of row ``row`` of a stored GGUF block
+    tensor (`quantized`; ``start`` a multiple of 32), de-quantised: a tuple of `GROUPS`
+    `Lanes`. The register blocks over stored weights read a whole block at a time, so its
+    scales are read once and its nibble offsets are constants."""
+    if not (isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C"
+            and quantized.numba_format(array.dtype) is not None
+            and isinstance(row, types.Integer) and isinstance(start, types.Integer)):
+        return None
+    result = types.UniTuple(lanes_type, GROUPS)
+
+    def codegen(context, builder, signature, args):
+        array_type, row_type, start_type = signature.args
+        values = quantized.load_groups(context, builder, array_type, args[0],
+                                       context.cast(builder, args[1], row_type, types.intp),
+                                       context.cast(builder, args[2], start_type, types.intp), GROUPS, LANES)
+        return context.make_tuple(builder, signature.return_type, values)
+
+    return result(array, row, start), codegen
+
+
+@intrinsic
+def put_row(typingctx, array, row, start, value):  # pragma: no cover - compiled
+    """``array[row, start:start + LANES] = value``: ``array`` a C-contiguous 2-D float32 array
+    (a scratch panel of de-quantised weights); the caller keeps it in bounds."""
+    if not (isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C"
+            and array.dtype == types.float32 and isinstance(row, types.Integer)
+            and isinstance(start, types.Integer) and value == lanes_type):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array_type, row_type, start_type, _ = signature.args
+        index = _flat_index(context, builder, array_type, args[0], args[1], row_type, args[2], start_type)
+        data = context.make_array(array_type)(context, builder, value=args[0]).data
+        pointer = builder.gep(data, [index], inbounds=True, source_etype=_FLOAT)
+        builder.store(args[3], builder.bitcast(pointer, _VECTOR.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(array, row, start, value), codegen
 
 
 def _flat_index(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: ir.Value, row_type,
@@ -142,8 +203,7 @@ def _load(context, builder: ir.IRBuilder, array_type, array: ir.Value, index: ir
         return raw
     wide_float = _FLOAT if count == 1 else ir.VectorType(_FLOAT, count)
     if kind == "float16":
-        half = ir.HalfType() if count == 1 else ir.VectorType(ir.HalfType(), count)
-        return builder.fpext(builder.bitcast(raw, half), wide_float)
+        return widen.half_to_float(builder, raw)
     wide_int = _I32 if count == 1 else ir.VectorType(_I32, count)
     sixteen = ir.Constant(wide_int, 16 if count == 1 else [16] * count)
     return builder.bitcast(builder.shl(builder.zext(raw, wide_int), sixteen), wide_float)
@@ -264,17 +324,20 @@ def fma_tail(typingctx, acc, x, w, start):  # pragma: no cover - compiled
 @intrinsic
 def fma_tail_rows(typingctx, acc, x, x_row, w, w_row, start):  # pragma: no cover - compiled
     """`fma_tail` of rows ``x[x_row]`` and ``w[w_row]`` of C-contiguous 2-D arrays (row
-    indices, not views: see `load_row`)."""
+    indices, not views: see `load_row`). Stored GGUF blocks have no tail (K is a multiple of
+    the block size, which `Linear` checks): ``acc`` is returned as is."""
     if not (acc == lanes_type and isinstance(start, types.Integer)
             and isinstance(x_row, types.Integer) and isinstance(w_row, types.Integer)
             and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (x, w))
-            and x.dtype == types.float32 and w.dtype in _WIDTHS):
+            and x.dtype == types.float32 and _readable(w)):
         return None
-    kind = _WIDTHS[w.dtype]
+    kind = _WIDTHS.get(w.dtype)
 
     def codegen(context, builder, signature, args):
         _, x_type, x_row_type, w_type, w_row_type, start_type = signature.args
         partial, xs, x_index, ws, w_index, first = args
+        if w_type.dtype not in _WIDTHS:
+            return partial
 
         def x_at(k):
             return _flat_index(context, builder, x_type, xs, x_index, x_row_type, k, types.intp)

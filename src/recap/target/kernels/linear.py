@@ -46,22 +46,20 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from recap.target.kernels import lanes, threads
+from recap.target.kernels import lanes, quantized, quantized_linear, threads
 from recap.target.kernels.lanes import LANES
+from recap.target.kernels.register_blocks import (  # noqa: F401 - the constants are part of this module's API
+    CHUNK,
+    COL_BLOCK,
+    PANEL,
+    ROW_BLOCK,
+    SMALL_COL_BLOCK,
+    SMALL_ROWS,
+    _block1,
+    _block3,
+    _block4,
+)
 from recap.target.kernels.widen import BFLOAT16_STORAGE, FLOAT16_STORAGE, storage
-
-ROW_BLOCK = 4
-"""Token rows computed together; callers pad M > 2 up to a multiple of this."""
-COL_BLOCK = 4
-"""Weight rows (output columns) computed together."""
-SMALL_ROWS = 2
-"""Steps of at most this many rows use the 8x2 block (padded to 2 rows)."""
-SMALL_COL_BLOCK = 8
-"""Weight rows computed together by the 8x2 block."""
-CHUNK = 8
-"""Column blocks per parallel task."""
-PANEL = 8
-"""3x4 block: weight-row groups computed for one 4-row block of tokens before the next."""
 
 
 def machine_weight_rows() -> int:
@@ -88,170 +86,6 @@ def padded_rows(m: int) -> int:
     if m <= SMALL_ROWS:
         return SMALL_ROWS
     return -(-m // ROW_BLOCK) * ROW_BLOCK
-
-
-@njit(inline="always")
-def _block4(x, m0, w, w0, w1, w2, w3, out, n0, n1, n2, n3, bias):  # pragma: no cover - compiled
-    # x: (Mp, K) f32; w0..w3: rows of w: (N', K) as stored, into output columns n0..n3 of
-    # out: (Mp, N) f32; bias: (N,) f32 or (0,). 16 dot products in `lanes` order: a<i><j> is
-    # weight row i x token row j. x0..x3 and w0..w3 are row indices, not views: a view is a
-    # reference-counted object (two atomic updates each), a row index costs nothing.
-    x0 = m0
-    x1 = m0 + 1
-    x2 = m0 + 2
-    x3 = m0 + 3
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = lanes.zeros()
-    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = lanes.zeros()
-    length = x.shape[1]
-    full = lanes.whole(length)
-    for k in range(0, full, LANES):
-        lanes.keep_rolled()
-        u0 = lanes.load_row(w, w0, k)
-        u1 = lanes.load_row(w, w1, k)
-        u2 = lanes.load_row(w, w2, k)
-        u3 = lanes.load_row(w, w3, k)
-        p = lanes.load_row(x, x0, k)
-        a00 = lanes.fma(p, u0, a00)
-        a10 = lanes.fma(p, u1, a10)
-        a20 = lanes.fma(p, u2, a20)
-        a30 = lanes.fma(p, u3, a30)
-        p = lanes.load_row(x, x1, k)
-        a01 = lanes.fma(p, u0, a01)
-        a11 = lanes.fma(p, u1, a11)
-        a21 = lanes.fma(p, u2, a21)
-        a31 = lanes.fma(p, u3, a31)
-        p = lanes.load_row(x, x2, k)
-        a02 = lanes.fma(p, u0, a02)
-        a12 = lanes.fma(p, u1, a12)
-        a22 = lanes.fma(p, u2, a22)
-        a32 = lanes.fma(p, u3, a32)
-        p = lanes.load_row(x, x3, k)
-        a03 = lanes.fma(p, u0, a03)
-        a13 = lanes.fma(p, u1, a13)
-        a23 = lanes.fma(p, u2, a23)
-        a33 = lanes.fma(p, u3, a33)
-    # the elements past the last whole group of lanes, if any (a no-op where K % 8 == 0)
-    a00 = lanes.fma_tail_rows(a00, x, x0, w, w0, full)
-    a01 = lanes.fma_tail_rows(a01, x, x1, w, w0, full)
-    a02 = lanes.fma_tail_rows(a02, x, x2, w, w0, full)
-    a03 = lanes.fma_tail_rows(a03, x, x3, w, w0, full)
-    a10 = lanes.fma_tail_rows(a10, x, x0, w, w1, full)
-    a11 = lanes.fma_tail_rows(a11, x, x1, w, w1, full)
-    a12 = lanes.fma_tail_rows(a12, x, x2, w, w1, full)
-    a13 = lanes.fma_tail_rows(a13, x, x3, w, w1, full)
-    a20 = lanes.fma_tail_rows(a20, x, x0, w, w2, full)
-    a21 = lanes.fma_tail_rows(a21, x, x1, w, w2, full)
-    a22 = lanes.fma_tail_rows(a22, x, x2, w, w2, full)
-    a23 = lanes.fma_tail_rows(a23, x, x3, w, w2, full)
-    a30 = lanes.fma_tail_rows(a30, x, x0, w, w3, full)
-    a31 = lanes.fma_tail_rows(a31, x, x1, w, w3, full)
-    a32 = lanes.fma_tail_rows(a32, x, x2, w, w3, full)
-    a33 = lanes.fma_tail_rows(a33, x, x3, w, w3, full)
-    lanes.store(out, m0, n0, a00, bias)
-    lanes.store(out, m0 + 1, n0, a01, bias)
-    lanes.store(out, m0 + 2, n0, a02, bias)
-    lanes.store(out, m0 + 3, n0, a03, bias)
-    lanes.store(out, m0, n1, a10, bias)
-    lanes.store(out, m0 + 1, n1, a11, bias)
-    lanes.store(out, m0 + 2, n1, a12, bias)
-    lanes.store(out, m0 + 3, n1, a13, bias)
-    lanes.store(out, m0, n2, a20, bias)
-    lanes.store(out, m0 + 1, n2, a21, bias)
-    lanes.store(out, m0 + 2, n2, a22, bias)
-    lanes.store(out, m0 + 3, n2, a23, bias)
-    lanes.store(out, m0, n3, a30, bias)
-    lanes.store(out, m0 + 1, n3, a31, bias)
-    lanes.store(out, m0 + 2, n3, a32, bias)
-    lanes.store(out, m0 + 3, n3, a33, bias)
-
-
-@njit(inline="always")
-def _block1(x, m0, w, w0, out, n, bias):  # pragma: no cover - compiled
-    # The last N % 3 (or N % 4) columns: one weight row x 4 token rows.
-    x0 = m0
-    x1 = m0 + 1
-    x2 = m0 + 2
-    x3 = m0 + 3
-    a0 = a1 = a2 = a3 = lanes.zeros()
-    length = x.shape[1]
-    full = lanes.whole(length)
-    for k in range(0, full, LANES):
-        lanes.keep_rolled()
-        u = lanes.load_row(w, w0, k)
-        a0 = lanes.fma(lanes.load_row(x, x0, k), u, a0)
-        a1 = lanes.fma(lanes.load_row(x, x1, k), u, a1)
-        a2 = lanes.fma(lanes.load_row(x, x2, k), u, a2)
-        a3 = lanes.fma(lanes.load_row(x, x3, k), u, a3)
-    # the elements past the last whole group of lanes, if any (a no-op where K % 8 == 0)
-    a0 = lanes.fma_tail_rows(a0, x, x0, w, w0, full)
-    a1 = lanes.fma_tail_rows(a1, x, x1, w, w0, full)
-    a2 = lanes.fma_tail_rows(a2, x, x2, w, w0, full)
-    a3 = lanes.fma_tail_rows(a3, x, x3, w, w0, full)
-    lanes.store(out, m0, n, a0, bias)
-    lanes.store(out, m0 + 1, n, a1, bias)
-    lanes.store(out, m0 + 2, n, a2, bias)
-    lanes.store(out, m0 + 3, n, a3, bias)
-
-
-@njit(inline="always")
-def _block3(x, m0, w, w0, w1, w2, out, n0, n1, n2, bias):  # pragma: no cover - compiled
-    # x: (Mp, K) f32; w0..w2: rows of w as stored, into output columns n0..n2 of out: (Mp, N)
-    # f32; bias: (N,) f32 or (0,). `_block4` with 3 weight rows: 12 accumulators fit 16
-    # vector registers.
-    x0 = m0
-    x1 = m0 + 1
-    x2 = m0 + 2
-    x3 = m0 + 3
-    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = lanes.zeros()
-    a20 = a21 = a22 = a23 = lanes.zeros()
-    length = x.shape[1]
-    full = lanes.whole(length)
-    for k in range(0, full, LANES):
-        lanes.keep_rolled()
-        u0 = lanes.load_row(w, w0, k)
-        u1 = lanes.load_row(w, w1, k)
-        u2 = lanes.load_row(w, w2, k)
-        p = lanes.load_row(x, x0, k)
-        a00 = lanes.fma(p, u0, a00)
-        a10 = lanes.fma(p, u1, a10)
-        a20 = lanes.fma(p, u2, a20)
-        p = lanes.load_row(x, x1, k)
-        a01 = lanes.fma(p, u0, a01)
-        a11 = lanes.fma(p, u1, a11)
-        a21 = lanes.fma(p, u2, a21)
-        p = lanes.load_row(x, x2, k)
-        a02 = lanes.fma(p, u0, a02)
-        a12 = lanes.fma(p, u1, a12)
-        a22 = lanes.fma(p, u2, a22)
-        p = lanes.load_row(x, x3, k)
-        a03 = lanes.fma(p, u0, a03)
-        a13 = lanes.fma(p, u1, a13)
-        a23 = lanes.fma(p, u2, a23)
-    # the elements past the last whole group of lanes, if any (a no-op where K % 8 == 0)
-    a00 = lanes.fma_tail_rows(a00, x, x0, w, w0, full)
-    a01 = lanes.fma_tail_rows(a01, x, x1, w, w0, full)
-    a02 = lanes.fma_tail_rows(a02, x, x2, w, w0, full)
-    a03 = lanes.fma_tail_rows(a03, x, x3, w, w0, full)
-    a10 = lanes.fma_tail_rows(a10, x, x0, w, w1, full)
-    a11 = lanes.fma_tail_rows(a11, x, x1, w, w1, full)
-    a12 = lanes.fma_tail_rows(a12, x, x2, w, w1, full)
-    a13 = lanes.fma_tail_rows(a13, x, x3, w, w1, full)
-    a20 = lanes.fma_tail_rows(a20, x, x0, w, w2, full)
-    a21 = lanes.fma_tail_rows(a21, x, x1, w, w2, full)
-    a22 = lanes.fma_tail_rows(a22, x, x2, w, w2, full)
-    a23 = lanes.fma_tail_rows(a23, x, x3, w, w2, full)
-    lanes.store(out, m0, n0, a00, bias)
-    lanes.store(out, m0 + 1, n0, a01, bias)
-    lanes.store(out, m0 + 2, n0, a02, bias)
-    lanes.store(out, m0 + 3, n0, a03, bias)
-    lanes.store(out, m0, n1, a10, bias)
-    lanes.store(out, m0 + 1, n1, a11, bias)
-    lanes.store(out, m0 + 2, n1, a12, bias)
-    lanes.store(out, m0 + 3, n1, a13, bias)
-    lanes.store(out, m0, n2, a20, bias)
-    lanes.store(out, m0 + 1, n2, a21, bias)
-    lanes.store(out, m0 + 2, n2, a22, bias)
-    lanes.store(out, m0 + 3, n2, a23, bias)
 
 
 @njit(inline="always")
@@ -552,29 +386,41 @@ class KernelDefect(RuntimeError):
 
 
 class Linear:
-    """One weight matrix in the model's own storage, ready for the kernels above."""
+    """One weight matrix in the model's own storage, ready for the kernels above: float32,
+    16-bit float bits (`widen.storage`) or stored GGUF blocks (`quantized`, read by
+    `quantized_linear`)."""
 
     def __init__(self, weight: np.ndarray, bias: np.ndarray | None, *, float16: bool = False,
                  weight_rows: int | None = None):
         # weight: (N, K) float32 (a view of the model's tensor) or 16-bit float bit patterns
-        # (bfloat16, or float16 with ``float16``), read as stored (`widen.storage`)
+        # (bfloat16, or float16 with ``float16``), read as stored (`widen.storage`); or an
+        # (N, K / 32) array of GGUF blocks (`quantized.blocks`)
         threads.start_pool()  # the checks below are parallel kernels: torch's thread count stays
         self.weight_rows = WEIGHT_ROWS if weight_rows is None else weight_rows
         """The register block: 4 (4x4, and 8x2 for 1-2 rows) or 3 (3x4 for every row count)."""
         if self.weight_rows not in (3, 4):
             raise ValueError(f"weight_rows must be 3 or 4, got {self.weight_rows!r}")
-        self.weight = storage(weight, float16=float16)
+        self.blocks = quantized.format_of(weight.dtype)
+        """The GGUF block format the weights are stored in (None: floats)."""
+        self.weight = weight if self.blocks else storage(weight, float16=float16)
         self.bias = NO_BIAS if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
-        self.out_features, self.in_features = weight.shape
-        if not blocks_agree(self.in_features, _kind(self.weight)):
+        self.out_features = weight.shape[0]
+        self.in_features = quantized.weights_per_row(weight) if self.blocks else weight.shape[1]
+        if self.blocks and self.in_features % 32:  # pragma: no cover - every 32-weight format
+            raise ValueError(f"stored rows of {self.in_features} weights are not whole 32-weight blocks")
+        kind = _kind(self.weight)
+        agree = stored_blocks_agree if self.blocks else blocks_agree
+        if not agree(self.in_features, kind):
             raise KernelDefect(f"the register blocks give different bits for dot products of length "
-                               f"{self.in_features} ({_kind(self.weight)} weights): a kernel no longer "
+                               f"{self.in_features} ({kind} weights): a kernel no longer "
                                "follows `lanes` order")
         self.two_rows = self.weight_rows == 4 and self.out_features % SMALL_COL_BLOCK == 0
         """Whether 1- and 2-row steps use the 8x2 block (else they are padded to 4 rows)."""
-        self.few_rows = self.weight_rows == 3
+        if self.blocks:
+            self.two_rows = True  # `quantized_linear.linear_few`: 1 or 2 rows, any N
+        self.few_rows = self.weight_rows == 3 and not self.blocks
         """Whether 1- and 2-row steps use the 6x2 block (`linear3x4_few`; the 3x4 path)."""
-        self.remainders = self.weight_rows == 3
+        self.remainders = self.weight_rows == 3 and not self.blocks
         """Whether the last 1 or 2 rows of a step past 4 rows use the 12x1 / 6x2 block (the 3x4
         path; the 4x4 block pads the step to a multiple of 4 rows)."""
 
@@ -585,7 +431,14 @@ class Linear:
         need = self.computed_rows(rows)
         if len(x) < need or len(out) < need:  # the kernels do not check bounds
             raise ValueError(f"this layer computes a {rows}-row step as {need} rows: x and out need as many")
-        if rows <= SMALL_ROWS and self.few_rows:
+        if self.blocks:
+            if rows <= SMALL_ROWS:
+                quantized_linear.linear_few(x, self.weight, self.bias, out, rows)
+            elif rows <= ROW_BLOCK and self.weight_rows == 4:
+                quantized_linear.linear_four(x, self.weight, self.bias, out)
+            else:
+                quantized_linear.linear_panels(x, self.weight, self.bias, out, need, self.weight_rows)
+        elif rows <= SMALL_ROWS and self.few_rows:
             linear3x4_few(x, self.weight, self.bias, out)
         elif rows <= SMALL_ROWS and self.two_rows:
             linear8x2(x, self.weight, self.bias, out)
@@ -605,7 +458,10 @@ class Linear:
 
 
 def _kind(stored: np.ndarray) -> str:
-    """The weight format a stored array holds (`widen.storage`)."""
+    """The weight format a stored array holds (`widen.storage`, or a GGUF block format)."""
+    blocks = quantized.format_of(stored.dtype)
+    if blocks is not None:
+        return blocks.name
     return {np.dtype(np.float32): "float32", np.dtype(FLOAT16_STORAGE): "float16",
             np.dtype(BFLOAT16_STORAGE): "bfloat16"}[stored.dtype]
 
@@ -682,3 +538,31 @@ def blocks_agree(in_features: int, kind: str = "float32") -> bool:
     linear3x4(x, stored, bias, three, ROW_BLOCK, False)
     return (three.tobytes() == four.tobytes() and small_rows_exact(in_features, kind)
             and few_rows_exact(in_features, kind) and remainder_rows_exact(in_features, kind))
+
+
+@functools.cache
+def stored_blocks_agree(in_features: int, kind: str) -> bool:
+    """Whether the kernels over stored ``kind`` blocks (`quantized_linear`: the 1- and 2-row
+    blocks and the de-quantised panels under both weight-row layouts) give the bits the float 4x4
+    block gives on the ``gguf`` package's de-quantisation of the same random blocks: what
+    makes a model read as stored bit-identical to its float copy. `Linear` asserts it once
+    per width and format."""
+    rng = np.random.default_rng(in_features)
+    columns = 3 * 4 * SMALL_COL_BLOCK + 2 * 8 + 1
+    stored = quantized.random_blocks(rng, columns, in_features, kind)
+    bias = rng.standard_normal(columns, dtype=np.float32)
+    x = rng.standard_normal((ROW_BLOCK, in_features), dtype=np.float32)
+    want = _four_rows(x, quantized.dequantize(stored), bias)
+    ok = True
+    for rows in (1, 2):
+        few = np.zeros((ROW_BLOCK, columns), np.float32)
+        quantized_linear.linear_few(x, stored, bias, few, rows)
+        ok &= few[:rows].tobytes() == want[:rows].tobytes()
+    four = np.zeros((ROW_BLOCK, columns), np.float32)
+    quantized_linear.linear_four(x, stored, bias, four)
+    ok &= four.tobytes() == want.tobytes()
+    for weight_rows in (4, 3):
+        panels = np.zeros((ROW_BLOCK, columns), np.float32)
+        quantized_linear.linear_panels(x, stored, bias, panels, ROW_BLOCK, weight_rows)
+        ok &= panels.tobytes() == want.tobytes()
+    return bool(ok)

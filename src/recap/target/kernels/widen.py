@@ -15,7 +15,10 @@ the kernels choose the widening from that dtype at compile time; ``float32`` is 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
+from llvmlite import ir
 
 BFLOAT16_STORAGE = np.uint16
 FLOAT16_STORAGE = np.int16
@@ -29,3 +32,44 @@ def storage(weight: np.ndarray, *, float16: bool = False) -> np.ndarray:
     if weight.dtype.itemsize != 2 or weight.dtype.kind not in "iu":
         raise ValueError(f"weights must be float32 or 16-bit float bit patterns, got {weight.dtype}")
     return weight.view(FLOAT16_STORAGE if float16 else BFLOAT16_STORAGE)
+
+
+@functools.cache
+def compiles_for(feature: str) -> bool:
+    """Whether the CPU numba compiles for has ``feature`` (an LLVM name such as ``f16c``):
+    the host's, or those ``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES`` name."""
+    from numba.core.registry import cpu_target
+
+    features = cpu_target.target_context.codegen()._tm_features
+    return f"+{feature}" in features.split(",")
+
+
+def half_to_float(builder: ir.IRBuilder, raw: ir.Value) -> ir.Value:
+    """float16 bit patterns (an i16 or a vector of them) widened to float32, exactly. With
+    F16C one ``vcvtph2ps``; without it (a baseline x86-64 build) LLVM would call a runtime
+    helper numba does not link, so the bits are rebuilt with integer operations: the sign,
+    the exponent rebiased (15 -> 127), the 10 mantissa bits moved up; infinities and NaNs
+    keep an all-ones exponent; subnormals are their mantissa times 2**-24 (exact)."""
+    vector = isinstance(raw.type, ir.VectorType)
+    count = raw.type.count if vector else 1
+    floats = ir.VectorType(ir.FloatType(), count) if vector else ir.FloatType()
+    if compiles_for("f16c"):
+        return builder.fpext(builder.bitcast(raw, ir.VectorType(ir.HalfType(), count) if vector else ir.HalfType()),
+                             floats)
+    ints = ir.VectorType(ir.IntType(32), count) if vector else ir.IntType(32)
+
+    def const(value):
+        return ir.Constant(ints, [value] * count if vector else value)
+
+    wide = builder.zext(raw, ints)
+    sign = builder.shl(builder.and_(wide, const(0x8000)), const(16))
+    exponent = builder.and_(builder.lshr(wide, const(10)), const(0x1F))
+    mantissa = builder.and_(wide, const(0x3FF))
+    moved = builder.shl(mantissa, const(13))
+    normal = builder.or_(builder.shl(builder.add(exponent, const(112)), const(23)), moved)
+    special = builder.or_(const(0x7F800000), moved)
+    tiny = builder.bitcast(builder.fmul(builder.uitofp(mantissa, floats),
+                                        ir.Constant(floats, [2.0 ** -24] * count if vector else 2.0 ** -24)), ints)
+    magnitude = builder.select(builder.icmp_unsigned("==", exponent, const(0)), tiny,
+                               builder.select(builder.icmp_unsigned("==", exponent, const(31)), special, normal))
+    return builder.bitcast(builder.or_(sign, magnitude), floats)

@@ -1,0 +1,244 @@
+"""GGUF weight blocks as the kernels read them: stored, de-quantised in registers.
+
+Why: a decode step streams every weight once, so its cost follows the bytes it reads. A
+GGUF file stores SmolLM2 in 4.5- and 8.5-bit blocks; the float32 model transformers builds
+from it streams 5.6x those bytes a step. Reading the blocks as stored and widening each
+group of `lanes.LANES` weights in registers reads the file's bytes instead.
+
+Exact by construction: transformers builds its float weights with the ``gguf`` package's
+numpy de-quantisation, one float32 operation at a time, each rounded. The code below does
+the same operations in the same order per weight (a multiply, then an add, never fused: LLVM
+fuses only what carries a ``contract`` flag, and these carry none), so every weight a kernel
+multiplies is the very float32 the float path multiplies, and the dot product after it
+(`lanes` order) gives the same bits. ``tests/test_quantized.py`` holds every format to
+``gguf.dequantize`` on random and real blocks; a fused variant is its negative control.
+
+Storage: a tensor of N rows of K weights is a numpy array of shape (N, K / block size) whose
+dtype is the format's block record (`FORMATS`), a view of the file's bytes (no copy); numba
+sees the record dtype and the kernels pick the de-quantisation at compile time, as `widen`
+picks the 16-bit widening from the storage dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.np.numpy_support import as_dtype
+
+from recap.target.kernels import widen
+
+_FLOAT = ir.FloatType()
+_I8 = ir.IntType(8)
+_I16 = ir.IntType(16)
+_I32 = ir.IntType(32)
+
+
+@dataclass(frozen=True)
+class Format:
+    """One GGUF block format: its name (``gguf.GGMLQuantizationType``), the weights a block
+    holds and the block's record dtype (field names carry the format, so no two formats'
+    dtypes are equal)."""
+
+    name: str
+    block: int
+    dtype: np.dtype
+
+
+def _record(name: str, *fields: tuple) -> np.dtype:
+    return np.dtype([(f"{name}_{field}", *rest) for field, *rest in fields])
+
+
+FORMATS = {
+    "Q8_0": Format("Q8_0", 32, _record("q8_0", ("d", "<u2"), ("qs", "i1", (32,)))),
+    "Q4_0": Format("Q4_0", 32, _record("q4_0", ("d", "<u2"), ("qs", "u1", (16,)))),
+    "Q4_1": Format("Q4_1", 32, _record("q4_1", ("d", "<u2"), ("m", "<u2"), ("qs", "u1", (16,)))),
+    "Q5_0": Format("Q5_0", 32, _record("q5_0", ("d", "<u2"), ("qh", "<u4"), ("qs", "u1", (16,)))),
+    "Q5_1": Format("Q5_1", 32, _record("q5_1", ("d", "<u2"), ("m", "<u2"), ("qh", "<u4"), ("qs", "u1", (16,)))),
+}
+"""The formats the kernels read as stored, by GGUF type name."""
+
+_BY_DTYPE = {format.dtype: format for format in FORMATS.values()}
+
+
+def format_of(dtype: np.dtype) -> Format | None:
+    """The block format a storage dtype holds (None: not a block format)."""
+    return _BY_DTYPE.get(np.dtype(dtype))
+
+
+def numba_format(dtype: types.Type) -> Format | None:
+    """The block format of a numba array element type (None: not a block format)."""
+    if not isinstance(dtype, types.Record):
+        return None
+    return format_of(as_dtype(dtype))
+
+
+def blocks(raw: np.ndarray, name: str) -> np.ndarray:
+    """The stored rows ``raw`` (uint8, shape (N, bytes per row): a GGUF tensor's data, as
+    ``gguf.GGUFReader`` maps it) as an (N, K / block) array of ``name``'s blocks, no copy."""
+    if name not in FORMATS:
+        raise ValueError(f"GGUF type {name} is not read as stored (these are: {', '.join(FORMATS)})")
+    format = FORMATS[name]
+    raw = np.ascontiguousarray(raw)
+    if raw.dtype != np.uint8 or raw.ndim != 2 or raw.shape[1] % format.dtype.itemsize:
+        raise ValueError(f"{name} rows must be uint8 of a multiple of {format.dtype.itemsize} bytes, "
+                         f"got {raw.dtype} {raw.shape}")
+    return raw.view(format.dtype)
+
+
+def weights_per_row(stored: np.ndarray) -> int:
+    """K of a stored block tensor (blocks per row x weights per block)."""
+    format = format_of(stored.dtype)
+    assert format is not None, stored.dtype
+    return stored.shape[1] * format.block
+
+
+def dequantize(stored: np.ndarray) -> np.ndarray:
+    """The float32 weights of a stored block tensor, by the ``gguf`` package (the reference
+    transformers loads with)."""
+    import gguf
+
+    format = format_of(stored.dtype)
+    assert format is not None, stored.dtype
+    raw = np.ascontiguousarray(stored).view(np.uint8).reshape(len(stored), -1)
+    return gguf.dequantize(raw, gguf.GGMLQuantizationType[format.name]).reshape(len(stored), -1)
+
+
+def random_blocks(rng: np.random.Generator, rows: int, columns: int, name: str) -> np.ndarray:
+    """Seeded random ``name`` blocks for (rows, columns) weights: random bits everywhere (every
+    nibble and high-bit pattern), float16 scales random finite numbers, about 1 in 8 of them
+    subnormal (the cases a widening must get exactly right)."""
+    format = FORMATS[name]
+    raw = rng.integers(0, 256, (rows, columns // format.block * format.dtype.itemsize), dtype=np.uint8)
+    stored = blocks(raw, name).copy()
+    for field in stored.dtype.names:
+        if field.endswith(("_d", "_m")):
+            scales = (rng.standard_normal(stored.shape) * 0.01).astype(np.float16)
+            subnormal = rng.random(stored.shape) < 0.125
+            scales[subnormal] = (rng.integers(-1023, 1024, int(subnormal.sum())) * 2.0 ** -24).astype(np.float16)
+            stored[field] = scales.view(np.uint16)
+    return stored
+
+
+# --------------------------------------------------------------------------- code generation
+def _broadcast(builder: ir.IRBuilder, value: ir.Value, count: int) -> ir.Value:
+    vector = ir.VectorType(value.type, count)
+    single = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(single, ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(_I32, count),
+                                                                                          [0] * count))
+
+
+def _at(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value | int, kind: ir.Type) -> ir.Value:
+    """A value of type ``kind`` at ``base + offset`` bytes (any alignment)."""
+    if isinstance(offset, int):
+        offset = ir.Constant(cgutils.intp_t, offset)
+    pointer = builder.gep(base, [offset], source_etype=_I8)
+    return builder.load(builder.bitcast(pointer, kind.as_pointer()), align=1)
+
+
+def _half(builder: ir.IRBuilder, base: ir.Value, offset: int) -> ir.Value:
+    """The float16 at ``base + offset`` widened to float32 (exact)."""
+    return widen.half_to_float(builder, _at(builder, base, offset, _I16))
+
+
+def _nibbles(builder: ir.IRBuilder, base: ir.Value, start: int, group: ir.Value, count: int) -> ir.Value:
+    """The 4-bit values of weights 8 group .. 8 group + 7 of a 32-weight block whose 16 bytes
+    start at ``base + start``: weights 0-15 are the bytes' low nibbles, 16-31 their high
+    ones (as ``gguf`` orders them); a vector of ``count`` int32."""
+    one = ir.Constant(cgutils.intp_t, 1)
+    half_block = builder.and_(group, one)  # groups 0 and 2 read bytes 0-7, groups 1 and 3 bytes 8-15
+    offset = builder.add(ir.Constant(cgutils.intp_t, start), builder.mul(half_block, ir.Constant(cgutils.intp_t, 8)))
+    raw = builder.zext(_at(builder, base, offset, ir.VectorType(_I8, count)), ir.VectorType(_I32, count))
+    shift = builder.trunc(builder.mul(builder.lshr(group, one), ir.Constant(cgutils.intp_t, 4)), _I32)
+    shifted = builder.lshr(raw, _broadcast(builder, shift, count))
+    return builder.and_(shifted, ir.Constant(ir.VectorType(_I32, count), [15] * count))
+
+
+def _fifth_bits(builder: ir.IRBuilder, base: ir.Value, start: int, group: ir.Value, count: int) -> ir.Value:
+    """Bit 4 of weights 8 group .. 8 group + 7 (bit j of the little-endian uint32 at
+    ``base + start`` is weight j's), as int32 values 0 or 16."""
+    bits = _at(builder, base, start, _I32)
+    byte = builder.lshr(bits, builder.trunc(builder.mul(group, ir.Constant(cgutils.intp_t, 8)), _I32))
+    masks = ir.Constant(ir.VectorType(_I32, count), [1 << j for j in range(count)])
+    set_ = builder.icmp_unsigned("!=", builder.and_(_broadcast(builder, byte, count), masks),
+                                 ir.Constant(ir.VectorType(_I32, count), [0] * count))
+    return builder.shl(builder.zext(set_, ir.VectorType(_I32, count)), ir.Constant(ir.VectorType(_I32, count),
+                                                                                     [4] * count))
+
+
+def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+    name = f"llvm.fma.v{a.type.count}f32"
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3), name)
+    return builder.call(function, [a, b, c])
+
+
+def _scale_and_shift(builder: ir.IRBuilder, d: ir.Value, q: ir.Value, m: ir.Value) -> ir.Value:
+    """``gguf``'s ``(d * q) + m``, as one fused multiply-add: the same bits, because ``d * q``
+    is exact in float32 (d a float16, 11 significant bits; |q| <= 32, 6 bits: at most 17
+    significant bits, and no float16 is small enough to leave float32's normal range), so
+    rounding it first changes nothing (``tests/test_quantized.py`` checks every float16)."""
+    return _fma(builder, d, q, m)
+
+
+def dequantize_group(builder: ir.IRBuilder, format: Format, block: ir.Value, group: ir.Value,
+                     count: int) -> ir.Value:
+    """Weights 8 group .. 8 group + count - 1 of the block at ``block`` (an i8 pointer) as a
+    float32 vector, by ``gguf``'s operations in ``gguf``'s order (see the module docstring)."""
+    vector = ir.VectorType(_FLOAT, count)
+    ints = ir.VectorType(_I32, count)
+    if format.name == "Q8_0":  # x * d
+        offset = builder.add(ir.Constant(cgutils.intp_t, 2), builder.mul(group, ir.Constant(cgutils.intp_t, 8)))
+        values = builder.sitofp(_at(builder, block, offset, ir.VectorType(_I8, count)), vector)
+        return builder.fmul(values, _broadcast(builder, _half(builder, block, 0), count))
+    if format.name == "Q4_0":  # d * (q - 8)
+        q = builder.sub(_nibbles(builder, block, 2, group, count), ir.Constant(ints, [8] * count))
+        return builder.fmul(_broadcast(builder, _half(builder, block, 0), count), builder.sitofp(q, vector))
+    if format.name == "Q4_1":  # (d * q) + m
+        q = builder.uitofp(_nibbles(builder, block, 4, group, count), vector)
+        return _scale_and_shift(builder, _broadcast(builder, _half(builder, block, 0), count), q,
+                                _broadcast(builder, _half(builder, block, 2), count))
+    if format.name == "Q5_0":  # d * ((q | bit4) - 16)
+        q = builder.or_(_nibbles(builder, block, 6, group, count), _fifth_bits(builder, block, 2, group, count))
+        q = builder.sub(q, ir.Constant(ints, [16] * count))
+        return builder.fmul(_broadcast(builder, _half(builder, block, 0), count), builder.sitofp(q, vector))
+    if format.name == "Q5_1":  # (d * (q | bit4)) + m
+        q = builder.or_(_nibbles(builder, block, 8, group, count), _fifth_bits(builder, block, 4, group, count))
+        return _scale_and_shift(builder, _broadcast(builder, _half(builder, block, 0), count),
+                                builder.uitofp(q, vector), _broadcast(builder, _half(builder, block, 2), count))
+    raise AssertionError(format.name)
+
+
+def _block_at(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: ir.Value,
+              column: ir.Value) -> tuple[Format, ir.Value, ir.Value]:
+    """(format, i8 pointer to the block holding weight ``column`` of row ``row``, the group
+    of 8 that weight starts within it): intp values in, for a stored block tensor."""
+    format = numba_format(array_type.dtype)
+    stored = context.make_array(array_type)(context, builder, value=array)
+    base = builder.bitcast(stored.data, _I8.as_pointer())
+    row_stride = builder.extract_value(stored.strides, 0)
+    block_size = ir.Constant(cgutils.intp_t, format.block)
+    block_index = builder.udiv(column, block_size)
+    offset = builder.add(builder.mul(row, row_stride),
+                         builder.mul(block_index, ir.Constant(cgutils.intp_t, format.dtype.itemsize)))
+    group = builder.udiv(builder.urem(column, block_size), ir.Constant(cgutils.intp_t, 8))
+    return format, builder.gep(base, [offset], source_etype=_I8), group
+
+
+def load_group(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: ir.Value, column: ir.Value,
+               count: int) -> ir.Value:
+    """Weights ``column .. column + count - 1`` of row ``row`` (intp values) of a stored block
+    tensor, de-quantised: ``column`` a multiple of ``count``, ``count`` 8 (`lanes.LANES`)."""
+    format, block, group = _block_at(context, builder, array_type, array, row, column)
+    return dequantize_group(builder, format, block, group, count)
+
+
+def load_groups(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: ir.Value, column: ir.Value,
+                groups: int, count: int) -> list[ir.Value]:
+    """``groups`` consecutive groups of ``count`` weights from weight ``column`` (a multiple of
+    ``groups * count`` = the block size for 32-weight formats) of row ``row``, de-quantised:
+    one block's scales read once, its group offsets constants the compiler folds."""
+    format, block, first = _block_at(context, builder, array_type, array, row, column)
+    return [dequantize_group(builder, format, block, builder.add(first, ir.Constant(cgutils.intp_t, g)), count)
+            for g in range(groups)]

@@ -1,0 +1,228 @@
+"""Linear layers on stored GGUF blocks (`quantized`): the float path's arithmetic on weights
+de-quantised once per step.
+
+Each weight is de-quantised to the float32 the float model holds (`quantized`), then
+multiplied in `lanes` order like every float block (`linear`), so a layer's output is the
+float layer's, bit for bit; only the bytes read differ. Two shapes:
+
+- **1 or 2 token rows** (`linear_few`): a 4x1 or 4x2 register block over weight rows spread
+  across the matrix (four sequential streams), reading a whole 32-weight block of each at a
+  time (`lanes.load_block`: the block's scales read once, its nibble offsets constants) and
+  using each de-quantised weight for every token row at once. De-quantising costs more
+  arithmetic than the multiply-adds it feeds, so a whole-block step (4 groups of lanes per
+  weight row per pass) is what makes it pay; a 1-row step runs no padding row.
+- **3 or 4 rows** (`linear_four`): a 4x4 register block the same way (16 accumulators:
+  the 32 vector registers of AVX-512).
+- **More rows** (`linear_panels`): a group of `linear.COL_BLOCK` (or 3) weight rows spread
+  over the matrix is de-quantised once into a small float32 panel that stays in L1, then the
+  float 4x4 (or 3x4) block runs every 4-row block of the step over it: each weight is
+  de-quantised once a step however many rows verify.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from recap.target.kernels import lanes
+from recap.target.kernels.lanes import GROUPS, LANES
+from recap.target.kernels.register_blocks import CHUNK, COL_BLOCK, ROW_BLOCK, _block1, _block3, _block4
+
+BLOCK = GROUPS * LANES
+"""Weights a pass reads per weight row: one block of the 32-weight formats."""
+
+
+@njit(inline="always")
+def _fma4(p0, p1, p2, p3, u0, u1, u2, u3, acc):  # pragma: no cover - compiled
+    # acc after 4 consecutive groups of lanes, in increasing k (the `lanes` order)
+    return lanes.fma(p3, u3, lanes.fma(p2, u2, lanes.fma(p1, u1, lanes.fma(p0, u0, acc))))
+
+
+@njit(inline="always")
+def _block4x1(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
+    # Token row 0 of x: (>= 1, K) f32 against weight rows r0 + j * rs (j < 4) of the stored
+    # blocks w into output columns c0 + j * cs; K a multiple of BLOCK (no tail).
+    w0, w1, w2, w3 = r0, r0 + rs, r0 + 2 * rs, r0 + 3 * rs
+    a0 = a1 = a2 = a3 = lanes.zeros()
+    for k in range(0, x.shape[1], BLOCK):
+        lanes.keep_rolled()
+        p0, p1 = lanes.load_row(x, 0, k), lanes.load_row(x, 0, k + LANES)
+        p2, p3 = lanes.load_row(x, 0, k + 2 * LANES), lanes.load_row(x, 0, k + 3 * LANES)
+        u0, u1, u2, u3 = lanes.load_block(w, w0, k)
+        a0 = _fma4(p0, p1, p2, p3, u0, u1, u2, u3, a0)
+        u0, u1, u2, u3 = lanes.load_block(w, w1, k)
+        a1 = _fma4(p0, p1, p2, p3, u0, u1, u2, u3, a1)
+        u0, u1, u2, u3 = lanes.load_block(w, w2, k)
+        a2 = _fma4(p0, p1, p2, p3, u0, u1, u2, u3, a2)
+        u0, u1, u2, u3 = lanes.load_block(w, w3, k)
+        a3 = _fma4(p0, p1, p2, p3, u0, u1, u2, u3, a3)
+    lanes.store(out, 0, c0, a0, bias)
+    lanes.store(out, 0, c0 + cs, a1, bias)
+    lanes.store(out, 0, c0 + 2 * cs, a2, bias)
+    lanes.store(out, 0, c0 + 3 * cs, a3, bias)
+
+
+@njit(inline="always")
+def _block4x2(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
+    # `_block4x1` for token rows 0 (a<j>) and 1 (b<j>): each de-quantised weight used twice.
+    w0, w1, w2, w3 = r0, r0 + rs, r0 + 2 * rs, r0 + 3 * rs
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = lanes.zeros()
+    for k in range(0, x.shape[1], BLOCK):
+        lanes.keep_rolled()
+        p0, p1 = lanes.load_row(x, 0, k), lanes.load_row(x, 0, k + LANES)
+        p2, p3 = lanes.load_row(x, 0, k + 2 * LANES), lanes.load_row(x, 0, k + 3 * LANES)
+        r0_, r1_ = lanes.load_row(x, 1, k), lanes.load_row(x, 1, k + LANES)
+        r2_, r3_ = lanes.load_row(x, 1, k + 2 * LANES), lanes.load_row(x, 1, k + 3 * LANES)
+        u0, u1, u2, u3 = lanes.load_block(w, w0, k)
+        a0 = _fma4(p0, p1, p2, p3, u0, u1, u2, u3, a0)
+        b0 = _fma4(r0_, r1_, r2_, r3_, u0, u1, u2, u3, b0)
+        u0, u1, u2, u3 = lanes.load_block(w, w1, k)
+        a1 = _fma4(p0, p1, p2, p3, u0, u1, u2, u3, a1)
+        b1 = _fma4(r0_, r1_, r2_, r3_, u0, u1, u2, u3, b1)
+        u0, u1, u2, u3 = lanes.load_block(w, w2, k)
+        a2 = _fma4(p0, p1, p2, p3, u0, u1, u2, u3, a2)
+        b2 = _fma4(r0_, r1_, r2_, r3_, u0, u1, u2, u3, b2)
+        u0, u1, u2, u3 = lanes.load_block(w, w3, k)
+        a3 = _fma4(p0, p1, p2, p3, u0, u1, u2, u3, a3)
+        b3 = _fma4(r0_, r1_, r2_, r3_, u0, u1, u2, u3, b3)
+    lanes.store(out, 0, c0, a0, bias)
+    lanes.store(out, 1, c0, b0, bias)
+    lanes.store(out, 0, c0 + cs, a1, bias)
+    lanes.store(out, 1, c0 + cs, b1, bias)
+    lanes.store(out, 0, c0 + 2 * cs, a2, bias)
+    lanes.store(out, 1, c0 + 2 * cs, b2, bias)
+    lanes.store(out, 0, c0 + 3 * cs, a3, bias)
+    lanes.store(out, 1, c0 + 3 * cs, b3, bias)
+
+
+@njit(inline="always")
+def _row4(x, row, k, u0, u1, u2, u3, acc):  # pragma: no cover - compiled
+    # acc after token row ``row``'s weights k .. k + BLOCK - 1 times u0..u3
+    return _fma4(lanes.load_row(x, row, k), lanes.load_row(x, row, k + LANES), lanes.load_row(x, row, k + 2 * LANES),
+                 lanes.load_row(x, row, k + 3 * LANES), u0, u1, u2, u3, acc)
+
+
+@njit(inline="always")
+def _block4x4(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
+    # Token rows 0-3 of x against weight rows r0 + i * rs (i < 4) of the stored blocks w into
+    # output columns c0 + i * cs: a<i><j> is weight row i x token row j. Each de-quantised
+    # block is used for the 4 token rows at once; their x rows come from L1 (16 accumulators
+    # and the 4 weight vectors hold the registers).
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = lanes.zeros()
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = lanes.zeros()
+    for k in range(0, x.shape[1], BLOCK):
+        lanes.keep_rolled()
+        u0, u1, u2, u3 = lanes.load_block(w, r0, k)
+        a00 = _row4(x, 0, k, u0, u1, u2, u3, a00)
+        a01 = _row4(x, 1, k, u0, u1, u2, u3, a01)
+        a02 = _row4(x, 2, k, u0, u1, u2, u3, a02)
+        a03 = _row4(x, 3, k, u0, u1, u2, u3, a03)
+        u0, u1, u2, u3 = lanes.load_block(w, r0 + rs, k)
+        a10 = _row4(x, 0, k, u0, u1, u2, u3, a10)
+        a11 = _row4(x, 1, k, u0, u1, u2, u3, a11)
+        a12 = _row4(x, 2, k, u0, u1, u2, u3, a12)
+        a13 = _row4(x, 3, k, u0, u1, u2, u3, a13)
+        u0, u1, u2, u3 = lanes.load_block(w, r0 + 2 * rs, k)
+        a20 = _row4(x, 0, k, u0, u1, u2, u3, a20)
+        a21 = _row4(x, 1, k, u0, u1, u2, u3, a21)
+        a22 = _row4(x, 2, k, u0, u1, u2, u3, a22)
+        a23 = _row4(x, 3, k, u0, u1, u2, u3, a23)
+        u0, u1, u2, u3 = lanes.load_block(w, r0 + 3 * rs, k)
+        a30 = _row4(x, 0, k, u0, u1, u2, u3, a30)
+        a31 = _row4(x, 1, k, u0, u1, u2, u3, a31)
+        a32 = _row4(x, 2, k, u0, u1, u2, u3, a32)
+        a33 = _row4(x, 3, k, u0, u1, u2, u3, a33)
+    lanes.store(out, 0, c0, a00, bias)
+    lanes.store(out, 1, c0, a01, bias)
+    lanes.store(out, 2, c0, a02, bias)
+    lanes.store(out, 3, c0, a03, bias)
+    lanes.store(out, 0, c0 + cs, a10, bias)
+    lanes.store(out, 1, c0 + cs, a11, bias)
+    lanes.store(out, 2, c0 + cs, a12, bias)
+    lanes.store(out, 3, c0 + cs, a13, bias)
+    lanes.store(out, 0, c0 + 2 * cs, a20, bias)
+    lanes.store(out, 1, c0 + 2 * cs, a21, bias)
+    lanes.store(out, 2, c0 + 2 * cs, a22, bias)
+    lanes.store(out, 3, c0 + 2 * cs, a23, bias)
+    lanes.store(out, 0, c0 + 3 * cs, a30, bias)
+    lanes.store(out, 1, c0 + 3 * cs, a31, bias)
+    lanes.store(out, 2, c0 + 3 * cs, a32, bias)
+    lanes.store(out, 3, c0 + 3 * cs, a33, bias)
+
+
+@njit(inline="always")
+def _unpack(w, row, panel, slot):  # pragma: no cover - compiled
+    # panel[slot] = weight row ``row`` of w, de-quantised (K a multiple of BLOCK)
+    for k in range(0, panel.shape[1], BLOCK):
+        u0, u1, u2, u3 = lanes.load_block(w, row, k)
+        lanes.put_row(panel, slot, k, u0)
+        lanes.put_row(panel, slot, k + LANES, u1)
+        lanes.put_row(panel, slot, k + 2 * LANES, u2)
+        lanes.put_row(panel, slot, k + 3 * LANES, u3)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def linear_few(x, w, bias, out, rows):  # pragma: no cover - compiled
+    """``out[:rows] = x[:rows] @ dequantised(w).T + bias`` for ``rows`` 1 or 2: x: (>= rows,
+    K) f32, out: (>= rows, N) f32; output columns q, q + N/4, q + 2N/4, q + 3N/4 together
+    (four sequential streams), the last N mod 4 one at a time."""
+    quarter = w.shape[0] // COL_BLOCK
+    tasks = -(-quarter // CHUNK)
+    for task in prange(tasks):
+        for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
+            if rows == 1:
+                _block4x1(x, w, q, quarter, out, q, quarter, bias)
+            else:
+                _block4x2(x, w, q, quarter, out, q, quarter, bias)
+    for n in range(quarter * COL_BLOCK, w.shape[0]):
+        if rows == 1:
+            _block4x1(x, w, n, 0, out, n, 0, bias)
+        else:
+            _block4x2(x, w, n, 0, out, n, 0, bias)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def linear_four(x, w, bias, out):  # pragma: no cover - compiled
+    """`linear_few` for steps of 3 or 4 rows (x and out hold 4): the 4x4 register block over
+    output columns q, q + N/4, q + 2N/4, q + 3N/4, the last N mod 4 one at a time."""
+    quarter = w.shape[0] // COL_BLOCK
+    tasks = -(-quarter // CHUNK)
+    for task in prange(tasks):
+        for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
+            _block4x4(x, w, q, quarter, out, q, quarter, bias)
+    for n in range(quarter * COL_BLOCK, w.shape[0]):
+        _block4x4(x, w, n, 0, out, n, 0, bias)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def linear_panels(x, w, bias, out, rows, weight_rows):  # pragma: no cover - compiled
+    """``out[:rows] = x[:rows] @ dequantised(w).T + bias`` for ``rows`` a multiple of 4 (x and
+    out hold them): per group of ``weight_rows`` (4 or 3) weight rows q, q + N/wr, ..., their
+    weights de-quantised once into a float32 panel, then the 4x4 (or 3x4) float block over
+    every 4-row block of tokens; the last N mod wr columns one weight row at a time."""
+    span = w.shape[0] // weight_rows
+    width = x.shape[1]
+    tasks = -(-span // CHUNK)
+    for task in prange(tasks):
+        panel = np.empty((weight_rows, width), np.float32)
+        for q in range(task * CHUNK, min(span, (task + 1) * CHUNK)):
+            for slot in range(weight_rows):
+                _unpack(w, q + slot * span, panel, slot)
+            if weight_rows == 4:
+                for m0 in range(0, rows, ROW_BLOCK):
+                    _block4(x, m0, panel, 0, 1, 2, 3, out, q, q + span, q + 2 * span, q + 3 * span, bias)
+            else:
+                for m0 in range(0, rows, ROW_BLOCK):
+                    _block3(x, m0, panel, 0, 1, 2, out, q, q + span, q + 2 * span, bias)
+    panel = np.empty((1, width), np.float32)
+    for n in range(span * weight_rows, w.shape[0]):
+        _unpack(w, n, panel, 0)
+        for m0 in range(0, rows, ROW_BLOCK):
+            _block1(x, m0, panel, 0, out, n, bias)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def dequantize_rows(w, ids, out):  # pragma: no cover - compiled
+    """``out[i] = dequantised(w[ids[i]])``: embedding rows from a stored table."""
+    for i in prange(len(ids)):
+        _unpack(w, ids[i], out, i)

@@ -1,0 +1,115 @@
+"""The weights a model was de-quantised from, read where the GGUF file stores them.
+
+Why: transformers loads a GGUF by de-quantising every tensor to float (5.6x the bytes for
+SmolLM2's Q4_1 file); a decode step that streams those floats streams 5.6x the bytes the
+file holds. `StoredWeights` maps the file (``gguf.GGUFReader``: a memory map, nothing copied)
+and hands the fast decoder each linear layer's blocks (`quantized`), after checking that they
+de-quantise, bit for bit, to the model's own float weights: so a model read as stored gives
+the float path's logits exactly, and a file that is not the model's source is refused
+rather than trusted.
+
+Names: the file's tensors follow llama.cpp's naming (``gguf.TENSOR_NAMES``); Llama files
+store q and k rows permuted for llama.cpp's RoPE layout, which transformers' loader undoes
+(`_llama_rows`), so their blocks are copied once in the model's row order (a few hundred KB a
+layer); every other tensor stays a view of the file.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from recap.errors import InputError
+from recap.target.kernels import quantized
+
+ROLES = {
+    "q": "ATTN_Q", "k": "ATTN_K", "v": "ATTN_V", "o": "ATTN_OUT",
+    "gate": "FFN_GATE", "up": "FFN_UP", "down": "FFN_DOWN",
+}
+"""The fast decoder's linear layers -> ``gguf.MODEL_TENSOR`` names."""
+
+
+class WeightsMismatch(InputError):
+    """A GGUF tensor does not de-quantise to the model's float weight: not the model's file."""
+
+
+@dataclass
+class StoredWeights:
+    """A GGUF file's block tensors by name, memory-mapped (`open`)."""
+
+    path: Path
+    architecture: str
+    tensors: dict[str, tuple[str, np.ndarray]] = field(repr=False)
+    """GGUF name (without ``.weight``) -> (GGUF type name, raw rows: uint8 (N, bytes per row))."""
+    checked: list[str] = field(default_factory=list)
+    """The tensors `blocks` handed out, each checked against the model's float weight."""
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> StoredWeights:
+        import gguf
+
+        path = Path(path)
+        try:
+            reader = gguf.GGUFReader(path)
+        except (OSError, ValueError, KeyError, struct.error) as error:
+            raise InputError(f"{path} is not a readable GGUF file: {error}") from None
+        architecture = str(reader.fields["general.architecture"].contents())
+        tensors = {tensor.name.removesuffix(".weight"): (tensor.tensor_type.name, tensor.data)
+                   for tensor in reader.tensors}
+        return cls(path, architecture, tensors)
+
+    def blocks(self, role: str, layer: int | None, weight: torch.Tensor, *, heads: int = 0,
+               kv_heads: int = 0) -> np.ndarray | None:
+        """The stored blocks of one weight (``role``: a key of `ROLES` with its ``layer``, or
+        ``embed`` / ``head``) in the model's row order, or None where the file stores it in a
+        format the kernels do not read as stored (e.g. float32). Raises `WeightsMismatch`
+        unless they de-quantise to ``weight`` bit for bit."""
+        name = self._name(role, layer)
+        if name not in self.tensors:
+            return None
+        kind, raw = self.tensors[name]
+        if kind not in quantized.FORMATS:
+            return None
+        stored = quantized.blocks(raw, kind)
+        if role in ("q", "k") and self._permutes():
+            stored = np.ascontiguousarray(stored[_llama_rows(len(stored), heads if role == "q" else kv_heads)])
+        expected = weight.detach()
+        if expected.dtype != torch.float32 or tuple(expected.shape) != (len(stored),
+                                                                         quantized.weights_per_row(stored)):
+            raise WeightsMismatch(f"{self.path.name}: {name} ({kind}, {len(stored)} rows) does not match the "
+                                  f"model's {tuple(expected.shape)} {expected.dtype} weight")
+        if not np.array_equal(quantized.dequantize(stored).view(np.uint32), expected.numpy().view(np.uint32)):
+            raise WeightsMismatch(f"{self.path.name}: {name} does not de-quantise to the model's weight "
+                                  "(not the file this model was loaded from)")
+        self.checked.append(name)
+        return stored
+
+    def _name(self, role: str, layer: int | None) -> str:
+        import gguf
+
+        if role == "embed":
+            return gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD]
+        if role == "head":  # a tied head is the embedding
+            output = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT]
+            return output if output in self.tensors else gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD]
+        return gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[ROLES[role]]].format(bid=layer)
+
+    def _permutes(self) -> bool:
+        """Whether transformers' loader un-permutes this architecture's q and k rows."""
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, LlamaTensorProcessor
+
+        return TENSOR_PROCESSORS.get(self.architecture) is LlamaTensorProcessor
+
+
+def _llama_rows(rows: int, heads: int) -> np.ndarray:
+    """Row ``i`` of the model's q (or k) weight is row ``result[i]`` of the file's: within each
+    head the file interleaves the two rotary halves (llama.cpp's layout), transformers' loader
+    puts them back one after the other."""
+    if not heads or rows % (2 * heads):
+        raise WeightsMismatch(f"{rows} q/k rows do not split into {heads} heads of rotary pairs")
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)

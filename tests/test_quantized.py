@@ -1,0 +1,277 @@
+"""GGUF blocks read as stored (`recap.target.kernels.quantized`, `quantized_linear`,
+`stored`): every format de-quantises in registers to ``gguf``'s float32 weights bit for bit,
+so a layer, a step and a model on stored blocks give the float path's logits exactly. Two
+deliberately wrong de-quantisations (a scale rounded the wrong way, nibbles in the wrong
+order) are caught; the fused multiply-add the kernels use is shown to be exact for every
+float16 scale rather than assumed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from llvmlite import ir
+from numba import njit
+
+import recap
+from recap.core import DraftTree
+from recap.errors import InputError
+from recap.target.kernels import FastDecoder, lanes, quantized
+from recap.target.kernels.lanes import LANES
+from recap.target.kernels.linear import Linear
+from recap.target.kernels.stored import StoredWeights, WeightsMismatch
+from tests.conftest import TINY_MODELS, load_target
+from tests.helpers import assert_drafted
+
+FORMATS = list(quantized.FORMATS)
+
+
+@njit
+def _by_group(stored, out):  # pragma: no cover - compiled
+    # every weight through `lanes.load_row`, one group of lanes at a time
+    for row in range(stored.shape[0]):
+        for k in range(0, out.shape[1], LANES):
+            values = lanes.load_row(stored, row, k)
+            for i in range(LANES):
+                out[row, k + i] = lanes.lane(values, i)
+
+
+@njit
+def _by_block(stored, out):  # pragma: no cover - compiled
+    # every weight through `lanes.load_block`, a whole 32-weight block at a time
+    for row in range(stored.shape[0]):
+        for k in range(0, out.shape[1], 4 * LANES):
+            groups = lanes.load_block(stored, row, k)
+            for g in range(4):
+                for i in range(LANES):
+                    out[row, k + g * LANES + i] = lanes.lane(groups[g], i)
+
+
+def _kernel_weights(stored: np.ndarray, read=_by_group) -> np.ndarray:
+    out = np.full((len(stored), quantized.weights_per_row(stored)), np.nan, np.float32)
+    read(stored, out)
+    return out
+
+
+def _every_byte(stored: np.ndarray) -> np.ndarray:
+    """``stored`` with its quant bytes running through every value 0..255 (every nibble pair)
+    and, for 5-bit formats, every high-bit byte pattern."""
+    stored = stored.copy()
+    for field in stored.dtype.names:
+        if field.endswith("_qs"):
+            shape = stored[field].shape
+            stored[field] = (np.arange(np.prod(shape)) % 256).astype(stored[field].dtype).reshape(shape)
+        if field.endswith("_qh"):
+            patterns = np.arange(stored.size, dtype=np.uint64) * np.uint64(0x01010101)
+            stored[field] = (patterns % np.uint64(1 << 32)).astype(np.uint32).reshape(stored.shape)
+    return stored
+
+
+@pytest.mark.parametrize("read", [_by_group, _by_block], ids=["group", "block"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_format_dequantises_to_the_bits_of_gguf(name, read):
+    rng = np.random.default_rng(len(name))
+    stored = quantized.random_blocks(rng, 48, 8 * 32, name)
+    for blocks in (stored, _every_byte(stored)):
+        expected = quantized.dequantize(blocks)
+        assert np.isfinite(expected).all()
+        np.testing.assert_array_equal(_kernel_weights(blocks, read).view(np.uint32), expected.view(np.uint32))
+    scales = stored[f"{name.lower()}_d"].view(np.float16)
+    assert (np.abs(scales) < np.float16(6.1e-5)).any(), "no subnormal float16 scale was exercised"
+
+
+def test_scaled_quants_are_exact_in_float32_for_every_float16_scale():
+    """Why the kernels may fuse ``(d * q) + m`` into one multiply-add: for every finite
+    float16 d and every quant the formats hold (|q| <= 32), d * q is exact in float32, so
+    rounding it before the addition changes nothing."""
+    d = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    d = d[np.isfinite(d)].astype(np.float32)
+    q = np.arange(-32, 33, dtype=np.float32)
+    products = d[:, None] * q[None, :]
+    exact = d[:, None].astype(np.float64) * q[None, :].astype(np.float64)
+    np.testing.assert_array_equal(products.astype(np.float64), exact)
+
+
+def _smollm2_file() -> Path:
+    from recap.models import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+@pytest.mark.parametrize("tensor", ["token_embd", "blk.3.ffn_down", "blk.7.attn_q"])
+def test_real_blocks_dequantise_to_the_bits_of_gguf(tensor):
+    """SmolLM2's own file: its Q8_0 embedding (also the tied head) and Q4_1 layers."""
+    weights = StoredWeights.open(_smollm2_file())
+    kind, raw = weights.tensors[tensor]
+    stored = quantized.blocks(raw, kind)[:512]
+    np.testing.assert_array_equal(_kernel_weights(stored, _by_block).view(np.uint32),
+                                  quantized.dequantize(stored).view(np.uint32))
+
+
+def _scale_through_bfloat16(builder, base, offset):
+    # a wrong widening: the float16 scale rounded to bfloat16's 8 significant bits
+    wide = builder.fpext(builder.bitcast(quantized._at(builder, base, offset, quantized._I16), ir.HalfType()),
+                         quantized._FLOAT)
+    bits = builder.bitcast(wide, quantized._I32)
+    return builder.bitcast(builder.and_(bits, ir.Constant(quantized._I32, 0xFFFF0000)), quantized._FLOAT)
+
+
+def _high_nibbles_first(builder, base, start, group, count):
+    # a wrong layout: weights 0-15 read from the bytes' high nibbles
+    swapped = builder.xor(group, ir.Constant(group.type, 2))
+    return _original_nibbles(builder, base, start, swapped, count)
+
+
+_original_nibbles = quantized._nibbles
+
+
+@pytest.mark.parametrize("mistake", ["scale", "nibbles"])
+def test_a_wrong_dequantisation_is_caught(mistake, monkeypatch):
+    """The comparison above can fail: a kernel compiled with a wrong widening of the scale,
+    or with the block's nibbles in the other order, differs from ``gguf`` (the same fresh
+    compile without the mistake agrees)."""
+    stored = quantized.random_blocks(np.random.default_rng(3), 16, 64, "Q4_1")
+    expected = quantized.dequantize(stored).view(np.uint32)
+    for wrong in (False, True):
+        if wrong and mistake == "scale":
+            monkeypatch.setattr(quantized, "_half", _scale_through_bfloat16)
+        elif wrong:
+            monkeypatch.setattr(quantized, "_nibbles", _high_nibbles_first)
+        out = np.zeros((16, 64), np.float32)
+        njit(_by_group.py_func)(stored, out)  # a fresh dispatcher: compiled now, with or without the mistake
+        assert np.array_equal(out.view(np.uint32), expected) != wrong
+
+
+@pytest.mark.parametrize("weight_rows", [3, 4])
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_layer_on_stored_blocks_gives_the_float_layers_bits(name, weight_rows):
+    """Every row count's path (1, 2: the few-row blocks; 3, 4: the 4x4 block or panels;
+    5 and more: panels), N not a multiple of 4 (the last columns one at a time), a bias."""
+    rng = np.random.default_rng(weight_rows)
+    stored = quantized.random_blocks(rng, 4 * 9 + 3, 96, name)
+    bias = rng.standard_normal(len(stored), dtype=np.float32)
+    on_blocks = Linear(stored, bias, weight_rows=weight_rows)
+    on_floats = Linear(quantized.dequantize(stored), bias, weight_rows=weight_rows)
+    assert on_blocks.blocks.name == name and on_floats.blocks is None
+    x = rng.standard_normal((12, 96), dtype=np.float32)
+    for rows in range(1, 12):
+        a = np.zeros((12, len(stored)), np.float32)
+        b = np.zeros((12, len(stored)), np.float32)
+        on_blocks(x, a, rows)
+        on_floats(x, b, rows)
+        np.testing.assert_array_equal(a[:rows].view(np.uint32), b[:rows].view(np.uint32), err_msg=f"{rows} rows")
+
+
+# --------------------------------------------------------------------------- whole models
+def _stored_twin(model: torch.nn.Module, seed: int) -> StoredWeights:
+    """Give ``model``'s decoder random GGUF blocks (cycling through every format): each
+    linear weight and the embedding become the blocks' de-quantisation, in place; returns
+    those blocks as a `StoredWeights` (llama.cpp's names, rows in the model's order)."""
+    import gguf
+
+    from recap.target.kernels.args import language_model
+    from recap.target.kernels.stored import ROLES
+
+    rng = np.random.default_rng(seed)
+    decoder = language_model(model)
+    tensors, formats = {}, iter(FORMATS * 100)
+
+    def give(name: str, weight: torch.Tensor) -> None:
+        kind = next(formats)
+        stored = quantized.random_blocks(rng, weight.shape[0], weight.shape[1], kind)
+        for field in stored.dtype.names:  # scales 40x larger: logits spread apart, as the tiny models' init
+            if field.endswith(("_d", "_m")):
+                stored[field] = (stored[field].view(np.float16) * np.float16(40)).view(np.uint16)
+        with torch.no_grad():
+            weight.copy_(torch.from_numpy(quantized.dequantize(stored)))
+        tensors[name] = (kind, np.ascontiguousarray(stored).view(np.uint8).reshape(len(stored), -1))
+
+    give(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD], decoder.embed_tokens.weight)
+    for i, layer in enumerate(decoder.layers):
+        modules = {"q": layer.self_attn.q_proj, "k": layer.self_attn.k_proj, "v": layer.self_attn.v_proj,
+                   "o": layer.self_attn.o_proj, "gate": layer.mlp.gate_proj, "up": layer.mlp.up_proj,
+                   "down": layer.mlp.down_proj}
+        for role, module in modules.items():
+            give(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[ROLES[role]]].format(bid=i), module.weight)
+    head = model.get_output_embeddings()
+    if head.weight.data_ptr() != decoder.embed_tokens.weight.data_ptr():
+        give(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT], head.weight)
+    return StoredWeights(Path("<random blocks>"), "synthetic", tensors)
+
+
+def _step_logits(decoder: FastDecoder, tree_size: int = 12) -> list[np.ndarray]:
+    """A 7-token prompt, a one-token step, then a verify of a random tree: each one's logits."""
+    rng = np.random.default_rng(0)
+    cache = decoder.new_cache(64)
+    logits = []
+    prompt = np.arange(7, dtype=np.int64) + 100  # a chain: row i sees rows 0..i
+    chain_starts = np.cumsum([0] + [i + 1 for i in range(7)]).astype(np.int64)
+    chain_paths = np.concatenate([np.arange(i + 1) for i in range(7)]).astype(np.int64)
+    logits.append(decoder.forward(cache, prompt, np.arange(7, dtype=np.int64), chain_starts, chain_paths).copy())
+    cache.commit(list(range(7)))
+    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, tree_size)]
+    tree = DraftTree(rng.integers(0, 1000, tree_size), parents)
+    starts, paths = tree.ancestor_lists()
+    tokens, _ = tree.packed(42)
+    depth = np.diff(starts) - 1
+    logits.append(decoder.forward(cache, np.asarray(tokens, np.int64), (7 + depth).astype(np.int64),
+                                  np.asarray(starts, np.int64),
+                                  np.asarray(paths, np.int64)).copy())
+    return logits
+
+
+@pytest.mark.parametrize("name", TINY_MODELS)
+def test_every_family_on_stored_blocks_gives_the_float_steps_bits(name):
+    """A tiny model of each family with GGUF-block weights (every format): a prefill and a
+    packed verify read as stored give, bit for bit, the logits of the same model's floats."""
+    target = recap.load(name, kernels="stock")
+    stored = _stored_twin(target.model, seed=len(name))
+    on_blocks = FastDecoder(target.model, stored=stored, warm_rows=(1,))
+    on_floats = FastDecoder(target.model, warm_rows=(1,))
+    assert on_blocks.weights == "stored" and on_floats.weights == "float"
+    assert set(stored.checked) == set(stored.tensors)
+    for a, b in zip(_step_logits(on_blocks), _step_logits(on_floats), strict=True):
+        assert np.isfinite(a).all()
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.slow
+def test_smollm2_reads_its_gguf_blocks_and_gives_the_float_logits(smollm2):
+    """`recap.load` reads SmolLM2's Q4_1 / Q8_0 blocks by default; its logits equal, bit for
+    bit, those of the same model on its de-quantised floats, and recap on the blocks gives
+    plain greedy decoding's output on the floats, token for token."""
+    floats = recap.load("smollm2-135m", weights="float")
+    assert smollm2.weights == "stored" and floats.weights == "float"
+    for stored_logits, float_logits in zip(_step_logits(smollm2._fast), _step_logits(floats._fast), strict=True):
+        np.testing.assert_array_equal(stored_logits.view(np.uint32), float_logits.view(np.uint32))
+    prompt = "List the planets of the solar system in order, then list them again in reverse order."
+    drafted = recap.generate(smollm2, prompt, method="recap", max_new_tokens=48)
+    plain = recap.generate(floats, prompt, method="ar", max_new_tokens=48)
+    assert list(drafted.tokens) == list(plain.tokens)
+    assert_drafted(drafted)
+
+
+def test_a_file_that_is_not_the_models_is_refused():
+    """Blocks that do not de-quantise to the model's weight: `WeightsMismatch` with
+    ``weights="stored"``, a warning and the float weights with ``auto``."""
+    model = recap.load("tiny-llama", kernels="stock").model
+    stored = _stored_twin(model, seed=1)
+    kind, raw = stored.tensors["blk.1.ffn_up"]
+    raw = raw.copy()
+    raw[3, 7] ^= 0x10  # one nibble of one block
+    stored.tensors["blk.1.ffn_up"] = (kind, raw)
+    with pytest.raises(WeightsMismatch, match="blk.1.ffn_up"):
+        FastDecoder(model, stored=stored, warm_rows=(1,))
+
+
+def test_weights_selection_and_errors(tmp_path, monkeypatch):
+    with pytest.raises(InputError, match="needs the fast kernels and a model loaded from a GGUF file"):
+        recap.load("tiny-llama", weights="stored")
+    with pytest.raises(InputError, match="unknown weights"):
+        recap.load("tiny-llama", weights="int4")
+    assert load_target("tiny-llama").weights == "float"
+    (tmp_path / "broken.gguf").write_bytes(b"GGUF not really")
+    with pytest.raises(InputError, match="broken.gguf"):
+        recap.load(str(tmp_path / "broken.gguf"))
