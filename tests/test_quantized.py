@@ -251,6 +251,10 @@ def test_smollm2_reads_its_gguf_blocks_and_gives_the_float_logits(smollm2):
     plain = recap.generate(floats, prompt, method="ar", max_new_tokens=48)
     assert list(drafted.tokens) == list(plain.tokens)
     assert_drafted(drafted)
+    # the float copies of what the kernels read as blocks are not kept: the norms alone remain
+    smollm2.use_kernels("fast")
+    assert sum(parameter.numel() for parameter in smollm2.model.parameters()) < 100_000
+    assert floats.parameter_count == smollm2.parameter_count > 100_000_000
 
 
 def test_a_file_that_is_not_the_models_is_refused():
@@ -275,3 +279,26 @@ def test_weights_selection_and_errors(tmp_path, monkeypatch):
     (tmp_path / "broken.gguf").write_bytes(b"GGUF not really")
     with pytest.raises(InputError, match="broken.gguf"):
         recap.load(str(tmp_path / "broken.gguf"))
+
+
+def test_float_copies_are_dropped_and_rebuilt_exactly_when_the_model_runs():
+    """`FloatCopies`: the float weights the kernels read as blocks are freed, and the model's
+    own forward (transformers' path) first rebuilds them, bit for bit, from the blocks."""
+    from recap.target.kernels.stored import FloatCopies
+
+    model = recap.load("tiny-llama", kernels="stock").model
+    stored = _stored_twin(model, seed=2)
+    before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    ids = torch.arange(5)[None] + 100
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    copies = FloatCopies(model, FastDecoder(model, stored=stored, warm_rows=(1,)).stored_pairs)
+    copies.drop()
+    kept = {name for name, parameter in model.named_parameters() if parameter.numel()}
+    assert kept == {name for name in before if "norm" in name}
+    with torch.no_grad():
+        again = model(input_ids=ids).logits  # the pre-hook rebuilds the floats first
+    assert not copies.dropped
+    for name, parameter in model.named_parameters():
+        assert torch.equal(parameter.view(-1).view(torch.int32), before[name].view(-1).view(torch.int32)), name
+    assert torch.equal(again, logits)

@@ -99,10 +99,14 @@ class CheckReport:
 
 def run_check(target: TargetModel, method: str | Proposer, *, prompts: int = 30, max_new_tokens: int = 48,
               vary: bool = False, seed: int = 0, on_case: Callable[[CheckCase], None] | None = None,
-              items: Sequence[tuple[str, Image.Image | None]] | None = None) -> CheckReport:
+              items: Sequence[tuple[str, Image.Image | None]] | None = None,
+              reference: TargetModel | None = None) -> CheckReport:
     """Run ``prompts`` built-in prompts (with images when the target takes them), or the
     given (prompt, image) ``items``, through ``method`` and through greedy ``generate``; one
-    proposer serves all prompts (a stream)."""
+    proposer serves all prompts (a stream). ``reference``: the target whose plain greedy
+    output the method must equal (default ``target`` itself; `recap check` passes the same
+    model on its float weights when ``target`` reads GGUF blocks as stored)."""
+    reference_target = target if reference is None else reference
     proposer = make_proposer(method) if isinstance(method, str) else method
     rng = np.random.default_rng(seed)
     cases = []
@@ -112,10 +116,10 @@ def run_check(target: TargetModel, method: str | Proposer, *, prompts: int = 30,
         inputs = target.prepare(prompt, image)
         limit = int(rng.integers(4, max_new_tokens + 1)) if vary else max_new_tokens
         eos = target.eos_token_ids
-        reference = target.reference_generate(inputs, limit, eos)
+        reference = reference_target.reference_generate(inputs, limit, eos)
         if vary and index % 2 == 1 and len(reference) > 2:
             eos = [reference[int(rng.integers(1, len(reference) - 1))]]
-            reference = target.reference_generate(inputs, limit, eos)
+            reference = reference_target.reference_generate(inputs, limit, eos)
         proposer.set_reference(inputs.prompt_ids + reference)  # only oracle test drafters read it
         result = decode(target, proposer, inputs, max_new_tokens=limit, eos_token_ids=eos)
         case = CheckCase(index=index, prompt=prompt, has_image=image is not None, max_new_tokens=limit,

@@ -308,6 +308,11 @@ def _check(args: argparse.Namespace) -> int:
     if sampling is not None:
         return _check_sampling(args, target, proposer, sampling)
     exact = claims_exact(args.dtype, target.kernels)
+    floats = None
+    if target.weights == "stored":  # the claim: on the blocks, the float model's greedy output
+        floats = load(args.model, dtype=args.dtype, top_k=args.row_size, kernels=args.kernels, weights="float")
+        print(f"{args.method} reads {args.model}'s GGUF blocks as stored; reference: plain greedy decoding on its "
+              "float weights")
     with Progress(transient=True) as progress:
         task = progress.add_task(f"{args.method} vs generate", total=args.prompts)
 
@@ -320,7 +325,7 @@ def _check(args: argparse.Namespace) -> int:
                     f"reference {case.reference[:12]}... output {case.output[:12]}...")
 
         check = run_check(target, proposer, prompts=args.prompts, max_new_tokens=args.max_new_tokens or 48,
-                          vary=args.vary, seed=args.seed, on_case=report)
+                          vary=args.vary, seed=args.seed, on_case=report, reference=floats)
     cut = sum(case.cut_inside_path for case in check.cases)
     print(f"model {args.model}, method {args.method}, dtype {args.dtype}: mean tau {check.tau:.2f}, "
           f"{cut} stop(s) inside an accepted path")
@@ -380,8 +385,10 @@ def _add_bench(commands) -> None:
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up decode of each method")
     bench.add_argument("--report-only", action="store_true",
                        help="only rewrite summary.json, report.md and the plots from --out's results")
-    bench.add_argument("--reference", choices=["stock"], default=None,
-                       help="stock: also run plain AR on stock transformers (row ar-stock), paired in the same run")
+    bench.add_argument("--reference", choices=["stock", "float", "stock,float"], default=None,
+                       help="stock: also run plain AR on stock transformers (row ar-stock); float: plain AR on "
+                            "the float weights of a model read as GGUF blocks (row ar-float: its outputs must "
+                            "equal AR's); paired in the same run")
     _cost_option(bench)
     _kernels_option(bench)
 

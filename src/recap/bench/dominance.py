@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from recap.bench.metrics import REFERENCE, STOCK_REFERENCE, mean, paired_ratios, unit_tau
+from recap.bench.metrics import FLOAT_REFERENCE, REFERENCE, STOCK_REFERENCE, mean, paired_ratios, unit_tau
 
 PRIMARY = "recap"
 THRESHOLD = 0.9
@@ -23,7 +23,7 @@ def dominance(rows: Sequence[dict], primary: str = PRIMARY, threshold: float = T
     [{"unit", "topic", "S", "tau", "steps", "best", "best_S", "best_tau", "best_steps"}]}``
     over the latest rows of a run; None when ``primary`` or every other drafter is missing."""
     labels = list(dict.fromkeys(row["method"] for row in rows))
-    others = [label for label in labels if label not in (REFERENCE, STOCK_REFERENCE, primary)]
+    others = [label for label in labels if label not in (REFERENCE, STOCK_REFERENCE, FLOAT_REFERENCE, primary)]
     if primary not in labels or not others:
         return None
     per_unit = {label: {row["unit"]: (row, ratio) for row, ratio in paired_ratios(rows, label)}

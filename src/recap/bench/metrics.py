@@ -21,6 +21,10 @@ from collections.abc import Iterable, Sequence
 from recap.bench.calibration import method_calibration
 
 REFERENCE = "ar"
+FLOAT_REFERENCE = "ar-float"
+"""Plain AR on the float weights of a model read as GGUF blocks (``--reference float``): its
+outputs must equal AR's on the blocks, token for token (a mismatch fails the run), and its
+speed shows what reading the blocks as stored buys."""
 STOCK_REFERENCE = "ar-stock"
 """Plain AR on stock transformers (``--reference stock``): its outputs are compared with AR's
 for agreement only, since on the fast kernels near-ties may round the other way."""

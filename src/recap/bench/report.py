@@ -18,7 +18,7 @@ from pathlib import Path
 
 from recap.bench.dominance import dominance
 from recap.bench.dominance import markdown_section as dominance_section
-from recap.bench.metrics import REFERENCE, STOCK_REFERENCE, summarise_method
+from recap.bench.metrics import FLOAT_REFERENCE, REFERENCE, STOCK_REFERENCE, summarise_method
 from recap.bench.results import RESULTS, write_json_atomic
 from recap.bench.runner import ROTATION, WARMUP, latest_rows
 from recap.check import claims_exact
@@ -168,6 +168,13 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
                   f"the {run.get('kernels')} kernels. Agreement of stock with them (a rate, not an "
                   f"exactness claim): {stock['units'] - stock['mismatches']} of {stock['units']} outputs identical"
                   + (f"; differing: {differ}" if differ else "") + ".", ""]
+    if FLOAT_REFERENCE in methods:
+        floats = methods[FLOAT_REFERENCE]
+        lines += [f"`{FLOAT_REFERENCE}` is plain AR on the model's float weights; `ar` and every method read "
+                  "the GGUF blocks as stored: "
+                  f"{floats['units'] - floats['mismatches']} of {floats['units']} outputs identical (any "
+                  f"difference is a mismatch above); `ar` is {_f(1 / floats['S'] if floats['S'] else None, '{:.2f}x')} "
+                  f"as fast as `{FLOAT_REFERENCE}`.", ""]
     if not summary["complete"]:
         lines += [f"**Partial run**: {summary['units']} of {run.get('units_selected')} selected units finished; "
                   "rerun the same command to resume.", ""]

@@ -25,7 +25,7 @@ import torch
 from recap.bench import calibration
 from recap.bench import data as bench_data
 from recap.bench.environment import machine, versions
-from recap.bench.metrics import REFERENCE, STOCK_REFERENCE, first_difference, unit_tau
+from recap.bench.metrics import FLOAT_REFERENCE, REFERENCE, STOCK_REFERENCE, first_difference, unit_tau
 from recap.bench.results import ResultsFile, check_settings, interrupts_held, write_json_atomic
 from recap.bench.streams import MethodSpec, StreamCheckpoints, is_stateful, parse_methods
 from recap.decoding import GenerationResult, decode
@@ -142,9 +142,12 @@ class Bench:
         self.console = console
         self.show_progress = progress
         self.specs: list[MethodSpec] = parse_methods(config.methods, tuple(default_methods().split(",")))
-        if config.reference not in (None, "stock"):
-            raise InputError(f"--reference takes stock, got {config.reference!r}")
-        if config.reference == "stock":
+        references = [] if config.reference is None else config.reference.split(",")
+        if not set(references) <= {"stock", "float"}:
+            raise InputError(f"--reference takes stock, float or stock,float; got {config.reference!r}")
+        if "float" in references:
+            self.specs.insert(1, MethodSpec(FLOAT_REFERENCE, "ar", weights="float"))
+        if "stock" in references:
             self.specs.insert(1, MethodSpec(STOCK_REFERENCE, "ar", kernels="stock"))
         self.labels = [spec.label for spec in self.specs]
         if config.max_new_tokens < 1:
@@ -190,7 +193,17 @@ class Bench:
 
     @contextlib.contextmanager
     def _kernels_for(self, spec: MethodSpec):
-        """The target on ``spec``'s step path for one decode (untimed switch), then back."""
+        """The target on ``spec``'s step path and weights for one decode (untimed switch), then back."""
+        if spec.weights is not None and spec.weights != self.target.weights:
+            weights = self.target.weights
+            if self.target.use_weights(spec.weights) != spec.weights:
+                raise InputError(f"method {spec.label}: the target cannot read {spec.weights} weights "
+                                 f"on {self.target.kernels} kernels")
+            try:
+                yield
+            finally:
+                self.target.use_weights(weights)
+            return
         if spec.kernels is None or spec.kernels == self.kernels:
             yield
             return

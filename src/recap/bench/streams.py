@@ -36,6 +36,8 @@ class MethodSpec:
     options: dict = field(default_factory=dict)
     kernels: str | None = None
     """The target's step path for this method (``stock`` for ar-stock); None: the run's."""
+    weights: str | None = None
+    """What the fast steps read for this method (``float`` for ar-float); None: the run's."""
 
     def make(self) -> Proposer:
         try:

@@ -155,6 +155,13 @@ class TargetModel(BaseTarget):
         """``fast``: decode and verify steps on the project's own kernels (`recap.target.kernels`);
         ``stock``: transformers' forward. Set by `use_kernels`."""
         self._fast: Any = None
+        self._float_copies: Any = None
+        self._decoders: dict[str, Any] = {}
+        """Fast decoders by the weights they read, once `use_weights` switched between them."""
+        """The float weights the fast kernels read as GGUF blocks (`FloatCopies`): dropped
+        while they run, rebuilt for anything else."""
+        self.parameter_count = sum(parameter.numel() for parameter in model.parameters())
+        """The model's parameters, counted at load (some may be dropped later: `FloatCopies`)."""
         if weights not in WEIGHTS:
             raise InputError(f"unknown weights {weights!r}; choose one of: {', '.join(WEIGHTS)}")
         self._weights_wanted = weights
@@ -235,7 +242,7 @@ class TargetModel(BaseTarget):
             if reason is not None and kernels == "fast":
                 raise InputError(f"--kernels fast does not support {self.name}: {reason}")
             kernels = "stock" if reason is not None else "fast"
-        if self._weights_wanted == "stored" and (kernels == "stock" or self.gguf_file is None):
+        if self._weights_wanted == "stored" and self._fast is None and (kernels == "stock" or self.gguf_file is None):
             raise InputError("--weights stored needs the fast kernels and a model loaded from a GGUF file "
                              f"({self.name} was not)" if self.gguf_file is None else
                              "--weights stored needs the fast kernels (the stock path reads float weights)")
@@ -245,6 +252,8 @@ class TargetModel(BaseTarget):
             self._fast = self._fast_decoder(FastDecoder)
             self.prefix_cache = PrefixCache()
             """Recent prompts' KV rows, shared by every lane (`recap.target.kernels.prefix`)."""
+        if self._float_copies is not None:  # the stock path reads the floats; the fast one does not
+            self._float_copies.restore() if kernels == "stock" else self._float_copies.drop()
         self.kernels = kernels  # an automatic cost profile follows: the kernels are part of its key
         return self.kernels
 
@@ -252,17 +261,45 @@ class TargetModel(BaseTarget):
         """The fast decoder, on the GGUF file's blocks where `weights` asks for them (``auto``:
         where the file is known and its blocks match the model; a mismatch falls back to the
         float weights with a warning) and on the model's float weights otherwise."""
-        from recap.target.kernels.stored import StoredWeights, WeightsMismatch
+        from recap.target.kernels.stored import FloatCopies, StoredWeights, WeightsMismatch
 
         if self._weights_wanted == "float" or self.gguf_file is None:
             return decoder(self.model)
         try:
-            return decoder(self.model, stored=StoredWeights.open(self.gguf_file))
+            fast = decoder(self.model, stored=StoredWeights.open(self.gguf_file))
         except WeightsMismatch as error:
             if self._weights_wanted == "stored":
                 raise
             warnings.warn(f"reading float weights: {error}", stacklevel=3)
             return decoder(self.model)
+        keep_embedding = self.accepts_images  # an image prompt's embedding runs the model's own module
+        embedding = language_model(self.model).embed_tokens.weight
+        pairs = [(parameter, blocks) for parameter, blocks in fast.stored_pairs
+                 if not (keep_embedding and parameter is embedding)]
+        self._float_copies = FloatCopies(self.model, pairs) if pairs else None
+        return fast
+
+    def use_weights(self, weights: str) -> str:
+        """Switch what the fast steps read between requests, for comparisons (`recap bench
+        --reference float`): ``stored`` or ``float``. Each decoder is built once and kept;
+        once a float one exists the float copies stay (it reads them in place). Returns the
+        weights now read."""
+        from recap.target.kernels import FastDecoder
+
+        if weights not in ("stored", "float"):
+            raise InputError(f"use_weights takes stored or float, got {weights!r}")
+        if self.kernels != "fast" or weights == self.weights:
+            return self.weights
+        self._decoders.setdefault(self._fast.weights, self._fast)
+        if weights not in self._decoders:
+            if weights == "stored":
+                raise InputError(f"{self.name} has no GGUF blocks to read (weights: {self._fast.weights})")
+            if self._float_copies is not None:
+                self._float_copies.restore()
+                self._float_copies = None
+            self._decoders[weights] = FastDecoder(self.model)
+        self._fast = self._decoders[weights]
+        return self.weights
 
     @property
     def weights(self) -> str:

@@ -74,7 +74,7 @@ def profile_key(target: TargetModel) -> dict:
 
     device = target.device
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return {"model": target.name, "params": sum(p.numel() for p in target.model.parameters()),
+    return {"model": target.name, "params": target.parameter_count,
             "dtype": str(target.dtype).removeprefix("torch."),
             "kernels": target.kernels, "threads": torch.get_num_threads(),
             "kernels_revision": KERNELS_REVISION if target.kernels == "fast" else 0,

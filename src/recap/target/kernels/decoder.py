@@ -90,10 +90,17 @@ class FastDecoder:
         decoder = language_model(model)
         self._rotary = decoder.rotary_emb
 
-        def blocks(role: str, layer: int | None, weight: torch.Tensor) -> np.ndarray | None:
+        self.stored_pairs: list[tuple[torch.nn.Parameter, np.ndarray]] = []
+        """(model parameter, the GGUF blocks the kernels read in its place) for each weight
+        read as stored (`recap.target.kernels.stored.FloatCopies` frees the floats)."""
+
+        def blocks(role: str, layer: int | None, weight: torch.nn.Parameter) -> np.ndarray | None:
             if stored is None:
                 return None
-            return stored.blocks(role, layer, weight, heads=args.heads, kv_heads=args.kv_heads)
+            found = stored.blocks(role, layer, weight, heads=args.heads, kv_heads=args.kv_heads)
+            if found is not None:
+                self.stored_pairs.append((weight, found))
+            return found
 
         embed_blocks = blocks("embed", None, decoder.embed_tokens.weight)
         self.embed = _weight(decoder.embed_tokens.weight) if embed_blocks is None else embed_blocks

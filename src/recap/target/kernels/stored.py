@@ -113,3 +113,46 @@ def _llama_rows(rows: int, heads: int) -> np.ndarray:
     if not heads or rows % (2 * heads):
         raise WeightsMismatch(f"{rows} q/k rows do not split into {heads} heads of rotary pairs")
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
+class FloatCopies:
+    """The model's float tensors that the fast kernels read as GGUF blocks instead: dropped
+    once the kernels are built (so a process decoding SmolLM2 holds about the file's bytes
+    of weights, not 5.6x them) and rebuilt from the blocks, exactly (`Linear` and the load
+    check made sure they de-quantise to those very floats), before anything else runs the
+    model: a forward pre-hook on the model rebuilds them on its first call (transformers'
+    own forward, ``model.generate``, an image prompt's embedding)."""
+
+    def __init__(self, model: torch.nn.Module, pairs: list[tuple[torch.nn.Parameter, np.ndarray]]):
+        self.model = model
+        self.pairs = pairs
+        """(parameter, its blocks in the model's row order) for every float copy."""
+        self.shapes = [tuple(parameter.shape) for parameter, _ in pairs]
+        self.dropped = False
+        self._hook = model.register_forward_pre_hook(lambda module, args: self.restore())
+
+    def drop(self) -> None:
+        """Free the float tensors (each parameter keeps its place, with no elements). The
+        model's other tensors are copied out of the file transformers mapped them from (a
+        few norms: kilobytes), so that mapping, whose pages the load check read, goes too."""
+        if self.dropped:
+            return
+        for parameter, _ in self.pairs:
+            parameter.data = torch.empty((0,) * parameter.dim(), dtype=parameter.dtype)
+        for module in self.model.modules():
+            for parameter in module.parameters(recurse=False):
+                if parameter.numel():
+                    parameter.data = parameter.data.clone()
+            for name, buffer in module.named_buffers(recurse=False):
+                if buffer is not None and buffer.numel():
+                    setattr(module, name, buffer.clone())
+        self.dropped = True
+
+    def restore(self) -> None:
+        """The float tensors back, de-quantised from the blocks (a no-op when they are here)."""
+        if not self.dropped:
+            return
+        for (parameter, blocks), shape in zip(self.pairs, self.shapes, strict=True):
+            if parameter.numel() == 0:  # a tied parameter comes back once
+                parameter.data = torch.from_numpy(quantized.dequantize(blocks)).reshape(shape)
+        self.dropped = False

@@ -1,0 +1,151 @@
+"""recap against the engine CPU users run instead: llama.cpp on the very GGUF file, paired.
+
+    pip install llama-cpp-python==0.3.36   # a source build, about 5 minutes; not a project dependency
+    python benchmarks/llamacpp_peer.py --data ../shared/data/mmspec --limit 2 --threads 1,2
+
+For each thread count, every unit (MMSpec first turns, ``--limit`` per topic, the chat
+template's prompt token ids, identical for every engine) is decoded greedily for up to
+``--max-new-tokens`` tokens, stopping at the model's end-of-turn tokens, by:
+
+- ``llama.cpp``: llama-cpp-python's generator at temperature 0 (argmax), the same file;
+- ``llama.cpp-pld``: the same with its prompt-lookup speculation
+  (``LlamaPromptLookupDecoding(num_pred_tokens=10)``, ``logits_all=True``);
+- ``ar``, ``recap`` and the best baseline ``pld``: this project, reading the file's blocks as
+  stored (`recap.load(..., weights="stored")`), and ``ar-float`` (plain AR on the float
+  weights: its outputs must equal ``ar``'s, the run fails otherwise).
+
+Engines run in a rotating order per unit, after one warm-up each; tokens/s is new tokens
+over the whole call (prompt processing included), ratios are per unit (paired) and
+averaged, and it reports how often each llama.cpp output equals llama.cpp's own plain
+greedy output and how often it equals ours (llama.cpp's CPU kernels are not
+batch-invariant: its speculation may change its answers). Thread counts are set
+(torch, numba, llama.cpp) and read back after each pass; a pass whose counts differ is
+refused. Writes ``--out`` (JSON) and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+
+def _llama(path: Path, threads: int, speculative: bool):
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    options = dict(n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
+    if speculative:
+        options.update(draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10), logits_all=True)
+    return Llama(str(path), **options)
+
+
+def _llama_generate(llm, prompt: list[int], limit: int, stops: set[int]) -> tuple[list[int], float]:
+    started = time.perf_counter()
+    out: list[int] = []
+    for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        if token in stops:
+            break
+        out.append(int(token))
+        if len(out) >= limit:
+            break
+    return out, time.perf_counter() - started
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--data", default=None)
+    parser.add_argument("--limit", type=int, default=2)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--out", default="llamacpp_peer.json")
+    args = parser.parse_args()
+
+    import numba
+    import torch
+
+    import recap
+    from recap.bench import data as bench_data
+    from recap.decoding import decode
+    from recap.models import gguf_source
+    from recap.proposers import make_proposer
+    from recap.target.kernels.threads import check_read_back, read_back
+
+    path = gguf_source(args.model)
+    if path is None:
+        raise SystemExit(f"{args.model} did not come from a GGUF file")
+    items = bench_data.select(bench_data.load_items(bench_data.resolve_data(args.data)), None, args.limit)
+    units = [unit for unit in bench_data.units_of(items) if unit.turn == 0]
+    result: dict = {"model": args.model, "file": path.name, "units": [u.key for u in units], "passes": []}
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        stored = recap.load(args.model, weights="stored")
+        floats = recap.load(args.model, weights="float")
+        prompts = [stored.prepare(bench_data.messages_for(unit, [])) for unit in units]
+        stops = set(stored.eos_token_ids)
+        engines = {"llama.cpp": _llama(path, threads, False), "llama.cpp-pld": _llama(path, threads, True)}
+        ours = {"ar": (stored, "ar"), "recap": (stored, "recap"), "pld": (stored, "pld"), "ar-float": (floats, "ar")}
+        labels = [*engines, *ours]
+        streams: dict = {}
+
+        def run(label: str, index: int, engines=engines, ours=ours, prompts=prompts, stops=stops,
+                streams=streams) -> tuple[list[int], float]:
+            if label in engines:
+                return _llama_generate(engines[label], list(prompts[index].prompt_ids), args.max_new_tokens, stops)
+            target, method = ours[label]
+            topic = units[index].topic
+            proposer = streams.setdefault((label, topic), make_proposer(method))
+            out = decode(target, proposer, prompts[index], max_new_tokens=args.max_new_tokens)
+            return list(out.tokens), out.total_s
+
+        for label in labels:  # warm-up: compile, first allocations, profiles
+            run(label, 0)
+        streams.clear()
+        rows = []
+        for index, unit in enumerate(units):
+            order = labels[index % len(labels):] + labels[:index % len(labels)]
+            row = {"unit": unit.key, "topic": unit.topic}
+            for label in order:
+                tokens, seconds = run(label, index)
+                row[label] = {"tokens": tokens, "s": seconds, "tok_s": len(tokens) / seconds}
+            rows.append(row)
+            print(f"{threads} thread(s) {unit.key}: " + ", ".join(f"{label} {row[label]['tok_s']:.1f}"
+                                                               for label in labels), flush=True)
+        ran = read_back(stored.kernels)
+        for label, llm in engines.items():
+            ran[label] = int(llm.context_params.n_threads)
+        check_read_back(threads, ran, f"the {threads}-thread pass")
+        mismatched = [row["unit"] for row in rows if row["ar-float"]["tokens"] != row["ar"]["tokens"]
+                      or row["recap"]["tokens"] != row["ar"]["tokens"] or row["pld"]["tokens"] != row["ar"]["tokens"]]
+        summary = {label: {"tok_s": statistics.mean(row[label]["tok_s"] for row in rows),
+                           "vs_llama_cpp": statistics.mean(row[label]["tok_s"] / row["llama.cpp"]["tok_s"]
+                                                           for row in rows)} for label in labels}
+        for label in engines:
+            summary[label]["same_as_llama_cpp_greedy"] = sum(row[label]["tokens"] == row["llama.cpp"]["tokens"]
+                                                             for row in rows)
+            summary[label]["same_as_ours"] = sum(row[label]["tokens"] == row["ar"]["tokens"] for row in rows)
+        result["passes"].append({"threads": threads, "threads_ran": ran, "numba": numba.get_num_threads(),
+                                 "weights": stored.weights, "mismatched_units": mismatched, "summary": summary,
+                                 "rows": rows})
+        del engines
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    for entry in result["passes"]:
+        print(f"\n{args.model} ({path.name}), {len(units)} units, {args.max_new_tokens} new tokens, "
+              f"{entry['threads']} thread(s) (read back: {entry['threads_ran']})\n")
+        print("| engine | tok/s | vs llama.cpp (paired) | same as llama.cpp greedy | same as ours |")
+        print("| --- | --- | --- | --- | --- |")
+        for label, data in entry["summary"].items():
+            same = [f"{data[key]}/{len(units)}" if key in data else "" for key in ("same_as_llama_cpp_greedy",
+                                                                                  "same_as_ours")]
+            print(f"| {label} | {data['tok_s']:.1f} | {data['vs_llama_cpp']:.2f}x | {same[0]} | {same[1]} |")
+        if entry["mismatched_units"]:
+            print(f"\nMISMATCH: our methods differ from ar on {entry['mismatched_units']}")
+    return 1 if any(entry["mismatched_units"] for entry in result["passes"]) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
