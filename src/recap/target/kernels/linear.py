@@ -406,8 +406,8 @@ class Linear:
         self.bias = NO_BIAS if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
         self.out_features = weight.shape[0]
         self.in_features = quantized.weights_per_row(weight) if self.blocks else weight.shape[1]
-        if self.blocks and self.in_features % 32:  # pragma: no cover - every 32-weight format
-            raise ValueError(f"stored rows of {self.in_features} weights are not whole 32-weight blocks")
+        if self.blocks and self.in_features % self.blocks.block:  # pragma: no cover - whole blocks by construction
+            raise ValueError(f"stored rows of {self.in_features} weights are not whole {self.blocks.block}-weight blocks")
         kind = _kind(self.weight)
         agree = stored_blocks_agree if self.blocks else blocks_agree
         if not agree(self.in_features, kind):

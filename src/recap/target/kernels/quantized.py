@@ -57,6 +57,12 @@ FORMATS = {
     "Q4_1": Format("Q4_1", 32, _record("q4_1", ("d", "<u2"), ("m", "<u2"), ("qs", "u1", (16,)))),
     "Q5_0": Format("Q5_0", 32, _record("q5_0", ("d", "<u2"), ("qh", "<u4"), ("qs", "u1", (16,)))),
     "Q5_1": Format("Q5_1", 32, _record("q5_1", ("d", "<u2"), ("m", "<u2"), ("qh", "<u4"), ("qs", "u1", (16,)))),
+    "Q4_K": Format("Q4_K", 256, _record("q4_k", ("d", "<u2"), ("dmin", "<u2"), ("scales", "u1", (12,)),
+                                        ("qs", "u1", (128,)))),
+    "Q5_K": Format("Q5_K", 256, _record("q5_k", ("d", "<u2"), ("dmin", "<u2"), ("scales", "u1", (12,)),
+                                        ("qh", "u1", (32,)), ("qs", "u1", (128,)))),
+    "Q6_K": Format("Q6_K", 256, _record("q6_k", ("ql", "u1", (128,)), ("qh", "u1", (64,)), ("scales", "i1", (16,)),
+                                        ("d", "<u2"))),
 }
 """The formats the kernels read as stored, by GGUF type name."""
 
@@ -114,7 +120,7 @@ def random_blocks(rng: np.random.Generator, rows: int, columns: int, name: str) 
     raw = rng.integers(0, 256, (rows, columns // format.block * format.dtype.itemsize), dtype=np.uint8)
     stored = blocks(raw, name).copy()
     for field in stored.dtype.names:
-        if field.endswith(("_d", "_m")):
+        if field.endswith(("_d", "_m", "_dmin")):
             scales = (rng.standard_normal(stored.shape) * 0.01).astype(np.float16)
             subnormal = rng.random(stored.shape) < 0.125
             scales[subnormal] = (rng.integers(-1023, 1024, int(subnormal.sum())) * 2.0 ** -24).astype(np.float16)
@@ -207,7 +213,85 @@ def dequantize_group(builder: ir.IRBuilder, format: Format, block: ir.Value, gro
         q = builder.or_(_nibbles(builder, block, 8, group, count), _fifth_bits(builder, block, 4, group, count))
         return _scale_and_shift(builder, _broadcast(builder, _half(builder, block, 0), count),
                                 builder.uitofp(q, vector), _broadcast(builder, _half(builder, block, 2), count))
+    if format.name in ("Q4_K", "Q5_K", "Q6_K"):
+        return _k_group(builder, format.name, block, group, count)
     raise AssertionError(format.name)
+
+
+def _intp(value: int) -> ir.Constant:
+    return ir.Constant(cgutils.intp_t, value)
+
+
+def _bytes(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, count: int, shift: ir.Value, mask: int) -> ir.Value:
+    """``count`` bytes from ``base + offset`` as int32, each shifted right by ``shift`` (an
+    intp value) and masked with ``mask``."""
+    raw = builder.zext(_at(builder, base, offset, ir.VectorType(_I8, count)), ir.VectorType(_I32, count))
+    shifted = builder.lshr(raw, _broadcast(builder, builder.trunc(shift, _I32), count))
+    return builder.and_(shifted, ir.Constant(ir.VectorType(_I32, count), [mask] * count))
+
+
+def _scale_byte(builder: ir.IRBuilder, block: ir.Value, offset: ir.Value) -> ir.Value:
+    return builder.zext(_at(builder, block, builder.add(_intp(4), offset), _I8), _I32)
+
+
+def _k_scale_min(builder: ir.IRBuilder, block: ir.Value, sub: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """The 6-bit scale and min of sub-block ``sub`` (0-7) of a Q4_K / Q5_K super-block, unpacked
+    from its 12 scale bytes as ``gguf``'s ``get_scale_min`` does: sub-blocks 0-3 from the low
+    6 bits of bytes j and j + 4; 4-7 from byte j + 4's nibbles and the top 2 bits of bytes
+    j - 4 and j."""
+    four = _intp(4)
+    low = builder.icmp_unsigned("<", sub, four)
+    first = builder.select(low, sub, builder.sub(sub, four))  # j, or j - 4
+    a, b, c = (_scale_byte(builder, block, first), _scale_byte(builder, block, builder.add(first, four)),
+               _scale_byte(builder, block, builder.add(first, _intp(8))))
+
+    def const(value: int) -> ir.Constant:
+        return ir.Constant(_I32, value)
+
+    scale_low = builder.and_(a, const(0x3F))
+    min_low = builder.and_(b, const(0x3F))
+    scale_high = builder.or_(builder.and_(c, const(0x0F)), builder.and_(builder.lshr(a, const(2)), const(0x30)))
+    min_high = builder.or_(builder.lshr(c, const(4)), builder.and_(builder.lshr(b, const(2)), const(0x30)))
+    return builder.select(low, scale_low, scale_high), builder.select(low, min_low, min_high)
+
+
+def _k_group(builder: ir.IRBuilder, name: str, block: ir.Value, group: ir.Value, count: int) -> ir.Value:
+    """Weights 8 group .. 8 group + 7 (group 0-31) of a 256-weight K-quant super-block, by
+    ``gguf``'s arithmetic. Q4_K / Q5_K: ``(d * scale) * q - dmin * min`` per 32-weight
+    sub-block (every product exact in float32: d * scale has at most 17 significant bits,
+    times a 5-bit q at most 22), so one fused multiply-add; Q6_K: ``(d * scale) * q`` per
+    16-weight sub-block, a plain multiply (that product can round)."""
+    vector = ir.VectorType(_FLOAT, count)
+    ints = ir.VectorType(_I32, count)
+    first = builder.mul(group, _intp(8))  # the group's first weight in the super-block
+    if name == "Q6_K":
+        half, within = builder.udiv(first, _intp(128)), builder.urem(first, _intp(128))
+        nibble, byte = builder.udiv(within, _intp(64)), builder.urem(within, _intp(64))
+        low = _bytes(builder, block, builder.add(builder.mul(half, _intp(64)), byte), count,
+                     builder.mul(nibble, _intp(4)), 0x0F)
+        pair, column = builder.udiv(within, _intp(32)), builder.urem(within, _intp(32))
+        high = _bytes(builder, block, builder.add(_intp(128), builder.add(builder.mul(half, _intp(32)), column)),
+                      count, builder.mul(pair, _intp(2)), 0x03)
+        q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(ints, [4] * count))),
+                        ir.Constant(ints, [32] * count))
+        scale = builder.sitofp(_at(builder, block, builder.add(_intp(192), builder.udiv(group, _intp(2))), _I8),
+                               _FLOAT)
+        d = builder.fmul(_half(builder, block, 208), scale)
+        return builder.fmul(_broadcast(builder, d, count), builder.sitofp(q, vector))
+    sub = builder.udiv(group, _intp(4))  # 32-weight sub-block
+    column = builder.mul(builder.urem(group, _intp(4)), _intp(8))
+    chunk, nibble = builder.udiv(sub, _intp(2)), builder.urem(sub, _intp(2))
+    qs = 16 if name == "Q4_K" else 48
+    q = _bytes(builder, block, builder.add(_intp(qs), builder.add(builder.mul(chunk, _intp(32)), column)), count,
+               builder.mul(nibble, _intp(4)), 0x0F)
+    if name == "Q5_K":
+        high = _bytes(builder, block, builder.add(_intp(16), column), count, sub, 0x01)
+        q = builder.or_(q, builder.shl(high, ir.Constant(ints, [4] * count)))
+    scale, minimum = _k_scale_min(builder, block, sub)
+    d = builder.fmul(_half(builder, block, 0), builder.uitofp(scale, _FLOAT))
+    dm = builder.fmul(_half(builder, block, 2), builder.uitofp(minimum, _FLOAT))
+    return _scale_and_shift(builder, _broadcast(builder, d, count), builder.uitofp(q, vector),
+                            _broadcast(builder, builder.fneg(dm), count))
 
 
 def _block_at(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: ir.Value,
