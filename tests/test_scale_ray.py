@@ -208,7 +208,7 @@ def test_a_replica_killed_mid_load_fails_no_non_streamed_request(server, greedy)
     engine = app.state.engine
     before = _counts(folder)
     victim = engine.router.owner("tenant-1")
-    stream = _client(url, 1).chat.completions.create(model=MODEL, max_tokens=400, stream=True,
+    stream = _client(url, 1).chat.completions.create(model=MODEL, max_tokens=1000, stream=True,
                                                      messages=[{"role": "user", "content": PROMPTS[0]}])
     chunks = _started(stream)
     cases = [(t, PROMPTS[(t + i) % 4]) for i in range(4) for t in range(4)]
