@@ -14,7 +14,9 @@ template's prompt token ids, identical for every engine) is decoded greedily for
   stored (`recap.load(..., weights="stored")`), and ``ar-float`` (plain AR on the float
   weights: its outputs must equal ``ar``'s, the run fails otherwise).
 
-Engines run in a rotating order per unit, after one warm-up each; tokens/s is new tokens
+Engines run in a rotating order per unit, after one warm-up each and a short untimed pause
+before every call (so one engine's spinning worker threads do not slow the next); recap's
+cost profile is measured before llama.cpp's threads exist; tokens/s is new tokens
 over the whole call (prompt processing included), ratios are per unit (paired) and
 averaged, and it reports how often each llama.cpp output equals llama.cpp's own plain
 greedy output and how often it equals ours (llama.cpp's CPU kernels are not
@@ -31,6 +33,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
+
+SETTLE_S = 0.3
+"""Pause before each timed call: both engines' thread pools spin a while after a parallel
+region (llama.cpp's, numba's OpenMP); on 2 cores a spinning pool slows the next engine."""
 
 
 def _llama(path: Path, threads: int, speculative: bool):
@@ -87,6 +93,7 @@ def main() -> int:
         floats = recap.load(args.model, weights="float")
         prompts = [stored.prepare(bench_data.messages_for(unit, [])) for unit in units]
         stops = set(stored.eos_token_ids)
+        stored.verify_cost()  # recap's cost profile, measured (once per machine) before llama.cpp's threads exist
         engines = {"llama.cpp": _llama(path, threads, False), "llama.cpp-pld": _llama(path, threads, True)}
         ours = {"ar": (stored, "ar"), "recap": (stored, "recap"), "pld": (stored, "pld"), "ar-float": (floats, "ar")}
         labels = [*engines, *ours]
@@ -110,6 +117,7 @@ def main() -> int:
             order = labels[index % len(labels):] + labels[:index % len(labels)]
             row = {"unit": unit.key, "topic": unit.topic}
             for label in order:
+                time.sleep(SETTLE_S)  # untimed: the other engine's worker threads stop spinning
                 tokens, seconds = run(label, index)
                 row[label] = {"tokens": tokens, "s": seconds, "tok_s": len(tokens) / seconds}
             rows.append(row)

@@ -331,3 +331,29 @@ def test_float_copies_are_dropped_and_rebuilt_exactly_when_the_model_runs():
     for name, parameter in model.named_parameters():
         assert torch.equal(parameter.view(-1).view(torch.int32), before[name].view(-1).view(torch.int32)), name
     assert torch.equal(again, logits)
+
+
+@pytest.mark.slow
+def test_the_demo_vlm_reads_its_language_models_blocks():
+    """The demo VLM's frozen language model is SmolLM2's: its layers, embedding and head come
+    from SmolLM2's file (each checked), the image token's row past the file's vocabulary
+    stays float (`GrownLinear`), and a step's logits (the image token's row included) equal
+    those on the float weights, bit for bit."""
+    from recap.target.kernels.linear import GrownLinear
+
+    stored = recap.load("recap-demo-vlm")
+    floats = recap.load("recap-demo-vlm", weights="float")
+    assert stored.weights == "stored" and floats.weights == "float"
+    head = stored._fast.head
+    assert isinstance(head, GrownLinear) and head.blocks.name == "Q8_0" and head.grown.out_features == 1
+    assert stored._fast.layers[0].q.blocks.name == "Q4_1"
+    image_token = stored.model.config.image_token_id
+    assert image_token >= len(stored._fast.embed)
+    rows = np.zeros((4, stored._fast.args.hidden), np.float32)
+    expected = np.zeros_like(rows)
+    tokens = np.array([5, image_token, 100, image_token], np.int64)
+    stored._fast._embed(tokens, rows)
+    floats._fast._embed(tokens, expected)
+    np.testing.assert_array_equal(rows.view(np.uint32), expected.view(np.uint32))
+    for a, b in zip(_step_logits(stored._fast), _step_logits(floats._fast), strict=True):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))

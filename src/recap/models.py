@@ -79,7 +79,7 @@ def load(model: str | os.PathLike | tuple[Any, Any], *, dtype: str = "float32", 
 def gguf_source(name: str) -> Path | None:
     """The GGUF file a built-in name, a ``.gguf`` path or a folder holding one was
     de-quantised from (None: the model did not come from one)."""
-    if name == "smollm2-135m":
+    if name in ("smollm2-135m", "recap-demo-vlm"):  # the demo VLM's language model is SmolLM2's, frozen
         return smollm2_gguf()
     path = Path(name)
     if path.is_file() and path.suffix == ".gguf":

@@ -18,7 +18,7 @@ import torch
 from recap.target.kernels import ops, quantized, quantized_linear, threads
 from recap.target.kernels.args import DecoderArgs, language_model
 from recap.target.kernels.cache import KVCache
-from recap.target.kernels.linear import ROW_BLOCK, Linear, padded_rows
+from recap.target.kernels.linear import ROW_BLOCK, GrownLinear, Linear, padded_rows
 from recap.target.kernels.stored import StoredWeights
 
 
@@ -35,13 +35,19 @@ def _vector(tensor: torch.Tensor | None) -> np.ndarray | None:
     return None if tensor is None else tensor.detach().float().numpy().copy()
 
 
-def _linear(module: torch.nn.Module, stored: np.ndarray | None = None) -> Linear:
+def _linear(module: torch.nn.Module, stored: np.ndarray | None = None) -> Linear | GrownLinear:
     """The module's weight read as stored in the model (float or 16-bit), or its GGUF blocks
-    (``stored``, checked by `StoredWeights.blocks` to de-quantise to that weight)."""
+    (``stored``, checked by `StoredWeights.blocks` to de-quantise to that weight; where the
+    model grew rows past the file's, those rows stay float: `GrownLinear`)."""
     bias = _vector(getattr(module, "bias", None))
-    if stored is not None:
+    if stored is None:
+        return Linear(_weight(module.weight), bias, float16=module.weight.dtype == torch.float16)
+    if len(stored) == module.weight.shape[0]:
         return Linear(stored, bias)
-    return Linear(_weight(module.weight), bias, float16=module.weight.dtype == torch.float16)
+    split = len(stored)
+    grown = Linear(np.ascontiguousarray(_weight(module.weight)[split:]), None if bias is None else bias[split:],
+                   float16=module.weight.dtype == torch.float16)
+    return GrownLinear(Linear(stored, None if bias is None else bias[:split]), grown)
 
 
 @dataclass
@@ -98,12 +104,15 @@ class FastDecoder:
             if stored is None:
                 return None
             found = stored.blocks(role, layer, weight, heads=args.heads, kv_heads=args.kv_heads)
-            if found is not None:
+            if found is not None and len(found) == weight.shape[0]:  # a grown weight keeps its floats
                 self.stored_pairs.append((weight, found))
             return found
 
         embed_blocks = blocks("embed", None, decoder.embed_tokens.weight)
         self.embed = _weight(decoder.embed_tokens.weight) if embed_blocks is None else embed_blocks
+        self._grown_embed = None if embed_blocks is None else \
+            np.ascontiguousarray(_weight(decoder.embed_tokens.weight)[len(embed_blocks):]).astype(np.float32)
+        """Embedding rows past the GGUF file's vocabulary (float32), for a stored embedding."""
         self._embed_float16 = decoder.embed_tokens.weight.dtype == torch.float16
         self.layers = []
         for i, layer in enumerate(decoder.layers):
@@ -191,7 +200,10 @@ class FastDecoder:
     # ------------------------------------------------------------------ the step
     def _embed(self, tokens: np.ndarray, out: np.ndarray) -> None:
         if quantized.format_of(self.embed.dtype) is not None:
-            quantized_linear.dequantize_rows(self.embed, tokens, out)
+            grown = tokens >= len(self.embed)
+            quantized_linear.dequantize_rows(self.embed, np.where(grown, 0, tokens), out)
+            if grown.any():
+                out[np.flatnonzero(grown)] = self._grown_embed[tokens[grown] - len(self.embed)]
             return
         rows = self.embed[tokens]
         if rows.dtype == np.float32:

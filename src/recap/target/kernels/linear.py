@@ -407,7 +407,8 @@ class Linear:
         self.out_features = weight.shape[0]
         self.in_features = quantized.weights_per_row(weight) if self.blocks else weight.shape[1]
         if self.blocks and self.in_features % self.blocks.block:  # pragma: no cover - whole blocks by construction
-            raise ValueError(f"stored rows of {self.in_features} weights are not whole {self.blocks.block}-weight blocks")
+            raise ValueError(f"stored rows of {self.in_features} weights are not whole "
+                             f"{self.blocks.block}-weight blocks")
         kind = _kind(self.weight)
         agree = stored_blocks_agree if self.blocks else blocks_agree
         if not agree(self.in_features, kind):
@@ -455,6 +456,38 @@ class Linear:
         if rows <= SMALL_ROWS and self.two_rows:
             return SMALL_ROWS
         return -(-rows // ROW_BLOCK) * ROW_BLOCK
+
+
+class GrownLinear:
+    """A weight whose first rows are read as stored blocks and whose last rows, past the GGUF
+    file's vocabulary (a token the model added, such as the demo VLM's image token), are
+    floats: two `Linear` layers, each output column computed by exactly one of them, so every
+    column has the bits it would have on the float weight."""
+
+    def __init__(self, stored: Linear, grown: Linear):
+        self.stored, self.grown = stored, grown
+        self.blocks = stored.blocks
+        self.weight_rows = stored.weight_rows
+        self.in_features = stored.in_features
+        self.out_features = stored.out_features + grown.out_features
+        self.two_rows = stored.two_rows and grown.two_rows
+        self.few_rows = stored.few_rows and grown.few_rows
+        self.remainders = stored.remainders and grown.remainders
+        self._grown_out = np.zeros((0, grown.out_features), np.float32)
+
+    def __call__(self, x: np.ndarray, out: np.ndarray, rows: int) -> np.ndarray:
+        """`Linear.__call__`: the stored part writes columns ``[0, stored rows)`` of ``out`` in
+        place, the grown part the rest through a small buffer."""
+        self.stored(x, out, rows)
+        need = self.grown.computed_rows(rows)
+        if len(self._grown_out) < need:
+            self._grown_out = np.zeros((need, self.grown.out_features), np.float32)
+        self.grown(x, self._grown_out, rows)
+        out[:rows, self.stored.out_features:] = self._grown_out[:rows]
+        return out
+
+    def computed_rows(self, rows: int) -> int:
+        return max(self.stored.computed_rows(rows), self.grown.computed_rows(rows))
 
 
 def _kind(stored: np.ndarray) -> str:

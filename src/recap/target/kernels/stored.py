@@ -68,7 +68,8 @@ class StoredWeights:
         """The stored blocks of one weight (``role``: a key of `ROLES` with its ``layer``, or
         ``embed`` / ``head``) in the model's row order, or None where the file stores it in a
         format the kernels do not read as stored (e.g. float32). Raises `WeightsMismatch`
-        unless they de-quantise to ``weight`` bit for bit."""
+        unless they de-quantise to ``weight`` bit for bit. An embedding or head the model grew
+        past the file's vocabulary gets the file's rows (fewer than the weight's)."""
         name = self._name(role, layer)
         if name not in self.tensors:
             return None
@@ -79,6 +80,11 @@ class StoredWeights:
         if role in ("q", "k") and self._permutes():
             stored = np.ascontiguousarray(stored[_llama_rows(len(stored), heads if role == "q" else kv_heads)])
         expected = weight.detach()
+        if role in ("embed", "head") and expected.shape[0] > len(stored) and \
+                tuple(expected.shape[1:]) == (quantized.weights_per_row(stored),):
+            # a vocabulary the model grew past the file's (the demo VLM's image token): the
+            # file's rows are checked and returned, the caller keeps the rest as floats
+            expected = expected[:len(stored)]
         if expected.dtype != torch.float32 or tuple(expected.shape) != (len(stored),
                                                                          quantized.weights_per_row(stored)):
             raise WeightsMismatch(f"{self.path.name}: {name} ({kind}, {len(stored)} rows) does not match the "
