@@ -4,6 +4,10 @@
   multiply-adds, a fixed final tree), so no compiler or CPU can change a bit;
 - `linear`: the linear-layer kernel: register blocks sized to the step (4x4 and 8x2 on
   AVX-512; 3x4 with 12x1 / 6x2 remainders on 16-register CPUs), each element in `lanes` order;
+- `quantized`, `quantized_linear`, `stored`: a GGUF file's blocks read as stored (memory-mapped,
+  checked against the model's float weights, de-quantised in registers by the very float32
+  operations transformers' loader used), so a model that came from GGUF decodes from the
+  file's bytes with the float model's logits, bit for bit;
 - `threads`: the kernels run on torch's thread count, and torch's count is never changed;
 - `exp`: a float32 ``exp`` that vectorises (softmax, SiLU);
 - `ops`: norms, RoPE, SiLU, tree attention over per-node ancestor lists (four queries of a

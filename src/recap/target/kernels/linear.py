@@ -35,6 +35,10 @@ Why our own: stock ``F.linear`` on CPU picks its blocking from the batch size, s
   1-weight-row block. `WEIGHT_ROWS` is the machine's choice and part of a cost profile's key;
   it changes speed, never bits.
 
+Stored GGUF blocks (`quantized`) go through `quantized_linear` instead: the same `lanes`
+order on weights de-quantised in registers, so a layer on blocks gives the bits of the same
+layer on the de-quantised floats.
+
 Threads: the output columns are split across numba's threads (``prange``), each column's
 arithmetic unchanged, so the result does not depend on the thread count either.
 """

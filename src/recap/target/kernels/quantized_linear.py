@@ -3,7 +3,7 @@ de-quantised once per step.
 
 Each weight is de-quantised to the float32 the float model holds (`quantized`), then
 multiplied in `lanes` order like every float block (`linear`), so a layer's output is the
-float layer's, bit for bit; only the bytes read differ. Two shapes:
+float layer's, bit for bit; only the bytes read differ. Three shapes:
 
 - **1 or 2 token rows** (`linear_few`): a 4x1 or 4x2 register block over weight rows spread
   across the matrix (four sequential streams), reading a whole 32-weight block of each at a
