@@ -357,3 +357,32 @@ def test_the_demo_vlm_reads_its_language_models_blocks():
     np.testing.assert_array_equal(rows.view(np.uint32), expected.view(np.uint32))
     for a, b in zip(_step_logits(stored._fast), _step_logits(floats._fast), strict=True):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_gguf_sources_are_found(tmp_path):
+    """Which GGUF file a model name came from: the built-ins', a ``.gguf`` path, a folder
+    holding exactly one (without a config.json: else it is a Hugging Face folder)."""
+    from recap.models import gguf_source
+
+    assert gguf_source("smollm2-135m") == gguf_source("recap-demo-vlm") == _smollm2_file()
+    assert gguf_source("tiny-llama") is None
+    (tmp_path / "model.gguf").symlink_to(_smollm2_file())
+    assert gguf_source(str(tmp_path / "model.gguf")) == tmp_path / "model.gguf"
+    assert gguf_source(str(tmp_path)) == tmp_path / "model.gguf"
+    (tmp_path / "other.gguf").symlink_to(_smollm2_file())
+    assert gguf_source(str(tmp_path)) is None  # two files: which one is ambiguous
+    (tmp_path / "other.gguf").unlink()
+    (tmp_path / "config.json").write_text("{}")
+    assert gguf_source(str(tmp_path)) is None
+
+
+@pytest.mark.slow
+def test_a_gguf_path_loads_and_decodes_from_its_blocks():
+    """`recap.load("model.gguf")`: transformers builds the float model from the file, the
+    kernels read the file's blocks (checked against it), greedy output as the built-in's."""
+    target = recap.load(str(_smollm2_file()))
+    assert target.weights == "stored" and target.gguf_file == _smollm2_file()
+    builtin = load_target("smollm2-135m")
+    prompt = "Name three colours."
+    assert recap.generate(target, prompt, method="ar", max_new_tokens=12).tokens == \
+        recap.generate(builtin, prompt, method="ar", max_new_tokens=12).tokens
