@@ -515,3 +515,39 @@ def test_reference_stock_runs_ar_on_stock_kernels_and_counts_agreement_only(tmp_
     report = (out / "report.md").read_text()
     assert "0 of 4 outputs identical" in report and "MISMATCH" not in report
     assert "fast kernels" in report
+
+
+@pytest.mark.slow
+def test_reference_float_pairs_ar_on_the_float_weights_and_counts_a_difference(tmp_path, monkeypatch):
+    """``--reference float`` on a model read as GGUF blocks: ``ar-float`` decodes on the float
+    weights (the target switches, then back), its outputs equal AR's on the blocks, and a
+    difference would be a mismatch (it fails the run), unlike ``ar-stock``'s."""
+    from recap.bench.report import load_run, write_outputs
+
+    seen = []
+    real_decode = bench_runner.decode
+
+    def recording(target, proposer, inputs, **kwargs):
+        seen.append((type(proposer).__name__, target.weights))
+        return real_decode(target, proposer, inputs, **kwargs)
+
+    monkeypatch.setattr(bench_runner, "decode", recording)
+    target = load_target("smollm2-135m")
+    assert target.weights == "stored"
+    run_bench(_config(tmp_path, model="smollm2-135m", reference="float", limit=1), target=target, progress=False)
+    assert target.weights == "stored"  # switched back after every ar-float decode
+    ar = "AutoregressiveProposer"
+    assert {weights for name, weights in seen if name == ar} == {"stored", "float"}
+    assert {weights for name, weights in seen if name != ar} == {"stored"}
+    out = tmp_path / "out"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["mismatches"] == 0 and summary["methods"]["ar-float"]["units"] >= 1
+    assert "`ar-float` is plain AR on the model's float weights" in (out / "report.md").read_text()
+    rows = ResultsFile(out).load()
+    for row in rows:
+        if row["method"] == "ar-float":
+            row["identical"], row["first_difference"] = False, 2
+    (out / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    rows, record = load_run(out)
+    write_outputs(out, rows, record)
+    assert json.loads((out / "summary.json").read_text())["mismatches"] >= 1

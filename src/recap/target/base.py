@@ -156,10 +156,10 @@ class TargetModel(BaseTarget):
         ``stock``: transformers' forward. Set by `use_kernels`."""
         self._fast: Any = None
         self._float_copies: Any = None
-        self._decoders: dict[str, Any] = {}
-        """Fast decoders by the weights they read, once `use_weights` switched between them."""
         """The float weights the fast kernels read as GGUF blocks (`FloatCopies`): dropped
         while they run, rebuilt for anything else."""
+        self._decoders: dict[str, Any] = {}
+        """Fast decoders by the weights they read, once `use_weights` switched between them."""
         self.parameter_count = sum(parameter.numel() for parameter in model.parameters())
         """The model's parameters, counted at load (some may be dropped later: `FloatCopies`)."""
         if weights not in WEIGHTS:
@@ -252,8 +252,10 @@ class TargetModel(BaseTarget):
             self._fast = self._fast_decoder(FastDecoder)
             self.prefix_cache = PrefixCache()
             """Recent prompts' KV rows, shared by every lane (`recap.target.kernels.prefix`)."""
-        if self._float_copies is not None:  # the stock path reads the floats; the fast one does not
-            self._float_copies.restore() if kernels == "stock" else self._float_copies.drop()
+        if self._float_copies is not None and kernels == "stock":  # the stock path reads the floats
+            self._float_copies.restore()
+        elif self._float_copies is not None:  # the fast one reads the blocks
+            self._float_copies.drop()
         self.kernels = kernels  # an automatic cost profile follows: the kernels are part of its key
         return self.kernels
 
