@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import recap
 from recap.bench import BenchConfig, metrics, run_bench
 from recap.bench import data as bench_data
 from recap.bench import runner as bench_runner
@@ -532,7 +533,7 @@ def test_reference_float_pairs_ar_on_the_float_weights_and_counts_a_difference(t
         return real_decode(target, proposer, inputs, **kwargs)
 
     monkeypatch.setattr(bench_runner, "decode", recording)
-    target = load_target("smollm2-135m")
+    target = recap.load("smollm2-135m")  # its own: the float decoder it gains stays with it
     assert target.weights == "stored"
     run_bench(_config(tmp_path, model="smollm2-135m", reference="float", limit=1), target=target, progress=False)
     assert target.weights == "stored"  # switched back after every ar-float decode

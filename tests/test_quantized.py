@@ -355,6 +355,13 @@ def test_the_demo_vlm_reads_its_language_models_blocks():
     stored._fast._embed(tokens, rows)
     floats._fast._embed(tokens, expected)
     np.testing.assert_array_equal(rows.view(np.uint32), expected.view(np.uint32))
+    # an image prompt runs the model's own forward up to the language model: nothing rebuilt
+    from PIL import Image
+
+    assert stored._float_copies.dropped
+    stored.prefill(stored.prepare("Describe the image.", Image.new("RGB", (64, 48), "red")))
+    stored.release()
+    assert stored._float_copies.dropped
     for a, b in zip(_step_logits(stored._fast), _step_logits(floats._fast), strict=True):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 

@@ -126,8 +126,10 @@ class FloatCopies:
     once the kernels are built (so a process decoding SmolLM2 holds about the file's bytes
     of weights, not 5.6x them) and rebuilt from the blocks, exactly (`Linear` and the load
     check made sure they de-quantise to those very floats), before anything else runs the
-    model: a forward pre-hook on the model rebuilds them on its first call (transformers'
-    own forward, ``model.generate``, an image prompt's embedding)."""
+    model: a forward pre-hook rebuilds them on the first call that needs them (transformers'
+    own forward, ``model.generate``). The hooks sit on the modules that own a dropped weight,
+    so a forward that stops before them (an image prompt's embedding, taken at the language
+    model's input) rebuilds nothing."""
 
     def __init__(self, model: torch.nn.Module, pairs: list[tuple[torch.nn.Parameter, np.ndarray]]):
         self.model = model
@@ -135,7 +137,10 @@ class FloatCopies:
         """(parameter, its blocks in the model's row order) for every float copy."""
         self.shapes = [tuple(parameter.shape) for parameter, _ in pairs]
         self.dropped = False
-        self._hook = model.register_forward_pre_hook(lambda module, args: self.restore())
+        owned = {id(parameter) for parameter, _ in pairs}
+        self._hooks = [module.register_forward_pre_hook(lambda module, args: self.restore())
+                       for module in model.modules()
+                       if any(id(parameter) in owned for parameter in module.parameters(recurse=False))]
 
     def drop(self) -> None:
         """Free the float tensors (each parameter keeps its place, with no elements). The
