@@ -483,17 +483,23 @@ def test_a_sampled_bench_keeps_every_method_identical_to_ar(tmp_path):
     assert record["settings"]["sampling"] == {"temperature": 0.8, "top_k": 20, "top_p": None}
 
 
-def test_reference_stock_runs_ar_on_stock_kernels_and_counts_agreement_only(tmp_path, monkeypatch):
-    from recap.bench.report import load_run, write_outputs
-
+def _record_decodes(monkeypatch, setting: str) -> list[tuple[str, str]]:
+    """The bench's decodes as they happen: (proposer class, the target's ``setting`` then)."""
     seen = []
     real_decode = bench_runner.decode
 
     def recording(target, proposer, inputs, **kwargs):
-        seen.append((type(proposer).__name__, target.kernels))
+        seen.append((type(proposer).__name__, getattr(target, setting)))
         return real_decode(target, proposer, inputs, **kwargs)
 
     monkeypatch.setattr(bench_runner, "decode", recording)
+    return seen
+
+
+def test_reference_stock_runs_ar_on_stock_kernels_and_counts_agreement_only(tmp_path, monkeypatch):
+    from recap.bench.report import load_run, write_outputs
+
+    seen = _record_decodes(monkeypatch, "kernels")
     target = load_target("tiny-llama")
     assert target.kernels == "fast"
     run_bench(_config(tmp_path, reference="stock"), target=target, progress=False)
@@ -525,14 +531,7 @@ def test_reference_float_pairs_ar_on_the_float_weights_and_counts_a_difference(t
     difference would be a mismatch (it fails the run), unlike ``ar-stock``'s."""
     from recap.bench.report import load_run, write_outputs
 
-    seen = []
-    real_decode = bench_runner.decode
-
-    def recording(target, proposer, inputs, **kwargs):
-        seen.append((type(proposer).__name__, target.weights))
-        return real_decode(target, proposer, inputs, **kwargs)
-
-    monkeypatch.setattr(bench_runner, "decode", recording)
+    seen = _record_decodes(monkeypatch, "weights")
     target = recap.load("smollm2-135m")  # its own: the float decoder it gains stays with it
     assert target.weights == "stored"
     run_bench(_config(tmp_path, model="smollm2-135m", reference="float", limit=1), target=target, progress=False)

@@ -29,16 +29,6 @@ FORMATS = list(quantized.FORMATS)
 
 
 @njit
-def _by_group(stored, out):  # pragma: no cover - compiled
-    # every weight through `lanes.load_row`, one group of lanes at a time
-    for row in range(stored.shape[0]):
-        for k in range(0, out.shape[1], LANES):
-            values = lanes.load_row(stored, row, k)
-            for i in range(LANES):
-                out[row, k + i] = lanes.lane(values, i)
-
-
-@njit
 def _by_block(stored, out):  # pragma: no cover - compiled
     # every weight through `lanes.load_block`, a whole 32-weight block at a time
     for row in range(stored.shape[0]):
@@ -49,9 +39,9 @@ def _by_block(stored, out):  # pragma: no cover - compiled
                     out[row, k + g * LANES + i] = lanes.lane(groups[g], i)
 
 
-def _kernel_weights(stored: np.ndarray, read=_by_group) -> np.ndarray:
+def _kernel_weights(stored: np.ndarray) -> np.ndarray:
     out = np.full((len(stored), quantized.weights_per_row(stored)), np.nan, np.float32)
-    read(stored, out)
+    _by_block(stored, out)
     return out
 
 
@@ -71,15 +61,14 @@ def _every_byte(stored: np.ndarray) -> np.ndarray:
     return stored
 
 
-@pytest.mark.parametrize("read", [_by_group, _by_block], ids=["group", "block"])
 @pytest.mark.parametrize("name", FORMATS)
-def test_every_format_dequantises_to_the_bits_of_gguf(name, read):
+def test_every_format_dequantises_to_the_bits_of_gguf(name):
     rng = np.random.default_rng(len(name))
     stored = quantized.random_blocks(rng, 48, 256 * 2, name)
     for blocks in (stored, _every_byte(stored)):
         expected = quantized.dequantize(blocks)
         assert np.isfinite(expected).all()
-        np.testing.assert_array_equal(_kernel_weights(blocks, read).view(np.uint32), expected.view(np.uint32))
+        np.testing.assert_array_equal(_kernel_weights(blocks).view(np.uint32), expected.view(np.uint32))
     scales = stored[f"{name.lower()}_d"].view(np.float16)
     assert (np.abs(scales) < np.float16(6.1e-5)).any(), "no subnormal float16 scale was exercised"
 
@@ -132,7 +121,7 @@ def test_real_blocks_dequantise_to_the_bits_of_gguf(file, tensor, kind):
     found, raw = weights.tensors[tensor]
     assert found == kind
     stored = quantized.blocks(raw, kind)[:512]
-    np.testing.assert_array_equal(_kernel_weights(stored, _by_block).view(np.uint32),
+    np.testing.assert_array_equal(_kernel_weights(stored).view(np.uint32),
                                   quantized.dequantize(stored).view(np.uint32))
 
 
@@ -166,7 +155,7 @@ def test_a_wrong_dequantisation_is_caught(mistake, monkeypatch):
         elif wrong:
             monkeypatch.setattr(quantized, "_nibbles", _high_nibbles_first)
         out = np.zeros((16, 64), np.float32)
-        njit(_by_group.py_func)(stored, out)  # a fresh dispatcher: compiled now, with or without the mistake
+        njit(_by_block.py_func)(stored, out)  # a fresh dispatcher: compiled now, with or without the mistake
         assert np.array_equal(out.view(np.uint32), expected) != wrong
 
 

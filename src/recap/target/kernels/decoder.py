@@ -125,16 +125,13 @@ class FastDecoder:
         self.norm = _vector(decoder.norm.weight)
         head = model.get_output_embeddings()
         self.head = _linear(head, blocks("head", None, head.weight))
-        self.weights = "stored" if any(linear.blocks for linear in self._linears()) else "float"
+        linears = [linear for layer in self.layers for linear in layer.linears()] + [self.head]
+        self.weights = "stored" if any(linear.blocks for linear in linears) else "float"
         """``stored`` where some layer reads GGUF blocks as stored, else ``float``."""
-        linears = self._linears()
         self.row_block = 1 if all(linear.remainders for linear in linears) else ROW_BLOCK
         """How a step's cost grows with its rows (`recap.core.cost.CostProfile.row_block`): in
         blocks of 4, or row by row where every layer runs the last 1 or 2 rows of a step past 4
         on a remainder block (3x4 machines; a step of 4k + 3 rows still costs 4k + 4)."""
-        self.two_rows = [linear.two_rows for linear in linears]
-        """Per linear layer: whether its 1- and 2-row steps run on the 8x2 block (the 4x4
-        layout, where its width is a multiple of 8), else on 4 rows or the spread 6x2 block."""
         self.eps = float(getattr(decoder.norm, "variance_epsilon", args.eps))
         self.scale = float(getattr(decoder.layers[0].self_attn, "scaling", args.head_dim ** -0.5))
         self.quad_attention = ops.QuadAttention(args.heads, args.kv_heads, args.head_dim) \
@@ -147,9 +144,6 @@ class FastDecoder:
         self._warm(warm_rows)
 
     # ------------------------------------------------------------------ set-up
-    def _linears(self) -> list[Linear]:
-        return [linear for layer in self.layers for linear in layer.linears()] + [self.head]
-
     def _rope_tables(self, positions: int) -> None:
         """cos/sin for positions [0, positions), from the model's own rotary module (float32)."""
         if positions <= len(self._cos):

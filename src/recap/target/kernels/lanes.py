@@ -44,7 +44,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from recap.target.kernels import quantized, widen
+from recap.target.kernels import llvm_ops, quantized, widen
 
 LANES = 8
 """Partial sums per dot product. Part of the arithmetic's definition: changing it changes
@@ -70,13 +70,6 @@ lanes_type = Lanes()
 class _LanesModel(models.PrimitiveModel):
     def __init__(self, dmm, fe_type):
         super().__init__(dmm, fe_type, _VECTOR)
-
-
-def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    """``a * b + c`` rounded once (``llvm.fma``), vector or scalar float32."""
-    name = f"llvm.fma.v{a.type.count}f32" if isinstance(a.type, ir.VectorType) else "llvm.fma.f32"
-    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3), name)
-    return builder.call(function, [a, b, c])
 
 
 @intrinsic
@@ -106,31 +99,21 @@ def load(typingctx, array, start):  # pragma: no cover - compiled
     return lanes_type(array, start), codegen
 
 
-def _readable(array) -> bool:
-    """Whether the kernels read rows of ``array``: float32, 16-bit float bits, or GGUF blocks."""
-    return array.dtype in _WIDTHS or quantized.numba_format(array.dtype) is not None
-
-
 @intrinsic
 def load_row(typingctx, array, row, start):  # pragma: no cover - compiled
     """``array[row, start:start + LANES]`` widened to float32: ``array`` a C-contiguous 2-D
-    array (as `load` reads it), or a stored GGUF block tensor (`quantized`: weights ``start``
-    .. of the row, de-quantised; ``start`` a multiple of `LANES`). A row index instead of a
-    row view: a view is reference counted (atomic updates each time a block makes one), an
-    index is not."""
+    array (as `load` reads it). A row index instead of a row view: a view is reference
+    counted (atomic updates each time a block makes one), an index is not. (Stored GGUF
+    blocks are read a whole block at a time: `load_block`.)"""
     if not (isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C"
-            and _readable(array) and isinstance(row, types.Integer) and isinstance(start, types.Integer)):
+            and array.dtype in _WIDTHS and isinstance(row, types.Integer) and isinstance(start, types.Integer)):
         return None
-    kind = _WIDTHS.get(array.dtype)
+    kind = _WIDTHS[array.dtype]
 
     def codegen(context, builder, signature, args):
-        array_type, row_type, start_type = signature.args
-        if kind is None and array_type.dtype not in _WIDTHS:
-            return quantized.load_group(context, builder, array_type, args[0],
-                                        context.cast(builder, args[1], row_type, types.intp),
-                                        context.cast(builder, args[2], start_type, types.intp), LANES)
-        index = _flat_index(context, builder, array_type, args[0], args[1], row_type, args[2], start_type)
-        return _load(context, builder, array_type, args[0], index, LANES, kind)
+        index = _flat_index(context, builder, signature.args[0], args[0], args[1], signature.args[1],
+                            args[2], signature.args[2])
+        return _load(context, builder, signature.args[0], args[0], index, LANES, kind)
 
     return lanes_type(array, row, start), codegen
 
@@ -216,7 +199,7 @@ def fma(typingctx, a, b, c):  # pragma: no cover - compiled
         return None
 
     def codegen(context, builder, signature, args):
-        return _fma(builder, *args)
+        return llvm_ops.fma(builder, *args)
 
     return lanes_type(lanes_type, lanes_type, lanes_type), codegen
 
@@ -324,20 +307,17 @@ def fma_tail(typingctx, acc, x, w, start):  # pragma: no cover - compiled
 @intrinsic
 def fma_tail_rows(typingctx, acc, x, x_row, w, w_row, start):  # pragma: no cover - compiled
     """`fma_tail` of rows ``x[x_row]`` and ``w[w_row]`` of C-contiguous 2-D arrays (row
-    indices, not views: see `load_row`). Stored GGUF blocks have no tail (K is a multiple of
-    the block size, which `Linear` checks): ``acc`` is returned as is."""
+    indices, not views: see `load_row`)."""
     if not (acc == lanes_type and isinstance(start, types.Integer)
             and isinstance(x_row, types.Integer) and isinstance(w_row, types.Integer)
             and all(isinstance(a, types.Array) and a.ndim == 2 and a.layout == "C" for a in (x, w))
-            and x.dtype == types.float32 and _readable(w)):
+            and x.dtype == types.float32 and w.dtype in _WIDTHS):
         return None
-    kind = _WIDTHS.get(w.dtype)
+    kind = _WIDTHS[w.dtype]
 
     def codegen(context, builder, signature, args):
         _, x_type, x_row_type, w_type, w_row_type, start_type = signature.args
         partial, xs, x_index, ws, w_index, first = args
-        if w_type.dtype not in _WIDTHS:
-            return partial
 
         def x_at(k):
             return _flat_index(context, builder, x_type, xs, x_index, x_row_type, k, types.intp)
@@ -363,7 +343,7 @@ def _tail(context, builder: ir.IRBuilder, partial: ir.Value, first: ir.Value, x_
         product_w = _load(context, builder, w_type, ws, w_at(k), 1, kind)
         slot = builder.trunc(loop.index, _I32)
         current = builder.load(result)
-        updated = _fma(builder, product_x, product_w, builder.extract_element(current, slot))
+        updated = llvm_ops.fma(builder, product_x, product_w, builder.extract_element(current, slot))
         builder.store(builder.insert_element(current, updated, slot), result)
     return builder.load(result)
 

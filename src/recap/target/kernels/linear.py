@@ -401,7 +401,8 @@ class Linear:
         # (N, K / 32) array of GGUF blocks (`quantized.blocks`)
         threads.start_pool()  # the checks below are parallel kernels: torch's thread count stays
         self.weight_rows = WEIGHT_ROWS if weight_rows is None else weight_rows
-        """The register block: 4 (4x4, and 8x2 for 1-2 rows) or 3 (3x4 for every row count)."""
+        """The register block: 4 (4x4, and 8x2 for 1-2 rows) or 3 (3x4 for every row count); on
+        GGUF blocks, which float block runs over the de-quantised panels."""
         if self.weight_rows not in (3, 4):
             raise ValueError(f"weight_rows must be 3 or 4, got {self.weight_rows!r}")
         self.blocks = quantized.format_of(weight.dtype)
@@ -419,10 +420,9 @@ class Linear:
             raise KernelDefect(f"the register blocks give different bits for dot products of length "
                                f"{self.in_features} ({kind} weights): a kernel no longer "
                                "follows `lanes` order")
-        self.two_rows = self.weight_rows == 4 and self.out_features % SMALL_COL_BLOCK == 0
-        """Whether 1- and 2-row steps use the 8x2 block (else they are padded to 4 rows)."""
-        if self.blocks:
-            self.two_rows = True  # `quantized_linear.linear_few`: 1 or 2 rows, any N
+        self.two_rows = bool(self.blocks) or (self.weight_rows == 4 and self.out_features % SMALL_COL_BLOCK == 0)
+        """Whether 1- and 2-row steps compute 2 rows at most: on GGUF blocks always
+        (`quantized_linear.linear_few`), on floats the 8x2 block (else they are padded to 4)."""
         self.few_rows = self.weight_rows == 3 and not self.blocks
         """Whether 1- and 2-row steps use the 6x2 block (`linear3x4_few`; the 3x4 path)."""
         self.remainders = self.weight_rows == 3 and not self.blocks
@@ -471,12 +471,10 @@ class GrownLinear:
     def __init__(self, stored: Linear, grown: Linear):
         self.stored, self.grown = stored, grown
         self.blocks = stored.blocks
-        self.weight_rows = stored.weight_rows
         self.in_features = stored.in_features
         self.out_features = stored.out_features + grown.out_features
-        self.two_rows = stored.two_rows and grown.two_rows
-        self.few_rows = stored.few_rows and grown.few_rows
         self.remainders = stored.remainders and grown.remainders
+        """As `Linear.remainders`: both parts run the last rows of a step on remainder blocks."""
         self._grown_out = np.zeros((0, grown.out_features), np.float32)
 
     def __call__(self, x: np.ndarray, out: np.ndarray, rows: int) -> np.ndarray:

@@ -6,12 +6,14 @@ from it streams 5.6x those bytes a step. Reading the blocks as stored and wideni
 group of `lanes.LANES` weights in registers reads the file's bytes instead.
 
 Exact by construction: transformers builds its float weights with the ``gguf`` package's
-numpy de-quantisation, one float32 operation at a time, each rounded. The code below does
-the same operations in the same order per weight (a multiply, then an add, never fused: LLVM
-fuses only what carries a ``contract`` flag, and these carry none), so every weight a kernel
-multiplies is the very float32 the float path multiplies, and the dot product after it
-(`lanes` order) gives the same bits. ``tests/test_quantized.py`` holds every format to
-``gguf.dequantize`` on random and real blocks; a fused variant is its negative control.
+numpy de-quantisation, one float32 operation at a time, each rounded. The code below gives
+each weight the same float32: the same operations in the same order, except that a
+multiply followed by an add is one fused multiply-add where the product is exact in float32
+(`_scale_and_shift`: then rounding it first changes nothing; a product that can round, Q6_K's,
+stays a separate multiply). So every weight a kernel multiplies is the very float32 the
+float path multiplies, and the dot product after it (`lanes` order) gives the same bits.
+``tests/test_quantized.py`` holds every format to ``gguf.dequantize`` on random and real
+blocks; a wrongly widened scale and a wrong nibble order are its negative controls.
 
 Storage: a tensor of N rows of K weights is a numpy array of shape (N, K / block size) whose
 dtype is the format's block record (`FORMATS`), a view of the file's bytes (no copy); numba
@@ -28,7 +30,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.np.numpy_support import as_dtype
 
-from recap.target.kernels import widen
+from recap.target.kernels import llvm_ops, widen
 
 _FLOAT = ir.FloatType()
 _I8 = ir.IntType(8)
@@ -129,17 +131,10 @@ def random_blocks(rng: np.random.Generator, rows: int, columns: int, name: str) 
 
 
 # --------------------------------------------------------------------------- code generation
-def _broadcast(builder: ir.IRBuilder, value: ir.Value, count: int) -> ir.Value:
-    vector = ir.VectorType(value.type, count)
-    single = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(single, ir.Constant(vector, ir.Undefined), ir.Constant(ir.VectorType(_I32, count),
-                                                                                          [0] * count))
-
-
 def _at(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value | int, kind: ir.Type) -> ir.Value:
     """A value of type ``kind`` at ``base + offset`` bytes (any alignment)."""
     if isinstance(offset, int):
-        offset = ir.Constant(cgutils.intp_t, offset)
+        offset = _intp(offset)
     pointer = builder.gep(base, [offset], source_etype=_I8)
     return builder.load(builder.bitcast(pointer, kind.as_pointer()), align=1)
 
@@ -147,75 +142,6 @@ def _at(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value | int, kind: ir.
 def _half(builder: ir.IRBuilder, base: ir.Value, offset: int) -> ir.Value:
     """The float16 at ``base + offset`` widened to float32 (exact)."""
     return widen.half_to_float(builder, _at(builder, base, offset, _I16))
-
-
-def _nibbles(builder: ir.IRBuilder, base: ir.Value, start: int, group: ir.Value, count: int) -> ir.Value:
-    """The 4-bit values of weights 8 group .. 8 group + 7 of a 32-weight block whose 16 bytes
-    start at ``base + start``: weights 0-15 are the bytes' low nibbles, 16-31 their high
-    ones (as ``gguf`` orders them); a vector of ``count`` int32."""
-    one = ir.Constant(cgutils.intp_t, 1)
-    half_block = builder.and_(group, one)  # groups 0 and 2 read bytes 0-7, groups 1 and 3 bytes 8-15
-    offset = builder.add(ir.Constant(cgutils.intp_t, start), builder.mul(half_block, ir.Constant(cgutils.intp_t, 8)))
-    raw = builder.zext(_at(builder, base, offset, ir.VectorType(_I8, count)), ir.VectorType(_I32, count))
-    shift = builder.trunc(builder.mul(builder.lshr(group, one), ir.Constant(cgutils.intp_t, 4)), _I32)
-    shifted = builder.lshr(raw, _broadcast(builder, shift, count))
-    return builder.and_(shifted, ir.Constant(ir.VectorType(_I32, count), [15] * count))
-
-
-def _fifth_bits(builder: ir.IRBuilder, base: ir.Value, start: int, group: ir.Value, count: int) -> ir.Value:
-    """Bit 4 of weights 8 group .. 8 group + 7 (bit j of the little-endian uint32 at
-    ``base + start`` is weight j's), as int32 values 0 or 16."""
-    bits = _at(builder, base, start, _I32)
-    byte = builder.lshr(bits, builder.trunc(builder.mul(group, ir.Constant(cgutils.intp_t, 8)), _I32))
-    masks = ir.Constant(ir.VectorType(_I32, count), [1 << j for j in range(count)])
-    set_ = builder.icmp_unsigned("!=", builder.and_(_broadcast(builder, byte, count), masks),
-                                 ir.Constant(ir.VectorType(_I32, count), [0] * count))
-    return builder.shl(builder.zext(set_, ir.VectorType(_I32, count)), ir.Constant(ir.VectorType(_I32, count),
-                                                                                     [4] * count))
-
-
-def _fma(builder: ir.IRBuilder, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-    name = f"llvm.fma.v{a.type.count}f32"
-    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(a.type, [a.type] * 3), name)
-    return builder.call(function, [a, b, c])
-
-
-def _scale_and_shift(builder: ir.IRBuilder, d: ir.Value, q: ir.Value, m: ir.Value) -> ir.Value:
-    """``gguf``'s ``(d * q) + m``, as one fused multiply-add: the same bits, because ``d * q``
-    is exact in float32 (d a float16, 11 significant bits; |q| <= 32, 6 bits: at most 17
-    significant bits, and no float16 is small enough to leave float32's normal range), so
-    rounding it first changes nothing (``tests/test_quantized.py`` checks every float16)."""
-    return _fma(builder, d, q, m)
-
-
-def dequantize_group(builder: ir.IRBuilder, format: Format, block: ir.Value, group: ir.Value,
-                     count: int) -> ir.Value:
-    """Weights 8 group .. 8 group + count - 1 of the block at ``block`` (an i8 pointer) as a
-    float32 vector, by ``gguf``'s operations in ``gguf``'s order (see the module docstring)."""
-    vector = ir.VectorType(_FLOAT, count)
-    ints = ir.VectorType(_I32, count)
-    if format.name == "Q8_0":  # x * d
-        offset = builder.add(ir.Constant(cgutils.intp_t, 2), builder.mul(group, ir.Constant(cgutils.intp_t, 8)))
-        values = builder.sitofp(_at(builder, block, offset, ir.VectorType(_I8, count)), vector)
-        return builder.fmul(values, _broadcast(builder, _half(builder, block, 0), count))
-    if format.name == "Q4_0":  # d * (q - 8)
-        q = builder.sub(_nibbles(builder, block, 2, group, count), ir.Constant(ints, [8] * count))
-        return builder.fmul(_broadcast(builder, _half(builder, block, 0), count), builder.sitofp(q, vector))
-    if format.name == "Q4_1":  # (d * q) + m
-        q = builder.uitofp(_nibbles(builder, block, 4, group, count), vector)
-        return _scale_and_shift(builder, _broadcast(builder, _half(builder, block, 0), count), q,
-                                _broadcast(builder, _half(builder, block, 2), count))
-    if format.name == "Q5_0":  # d * ((q | bit4) - 16)
-        q = builder.or_(_nibbles(builder, block, 6, group, count), _fifth_bits(builder, block, 2, group, count))
-        q = builder.sub(q, ir.Constant(ints, [16] * count))
-        return builder.fmul(_broadcast(builder, _half(builder, block, 0), count), builder.sitofp(q, vector))
-    if format.name == "Q5_1":  # (d * (q | bit4)) + m
-        q = builder.or_(_nibbles(builder, block, 8, group, count), _fifth_bits(builder, block, 4, group, count))
-        return _scale_and_shift(builder, _broadcast(builder, _half(builder, block, 0), count),
-                                builder.uitofp(q, vector), _broadcast(builder, _half(builder, block, 2), count))
-    if format.name in ("Q4_K", "Q5_K", "Q6_K"):
-        return _k_group(builder, format.name, block, group, count)
-    raise AssertionError(format.name)
 
 
 def _intp(value: int) -> ir.Constant:
@@ -226,8 +152,67 @@ def _bytes(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, count: int, 
     """``count`` bytes from ``base + offset`` as int32, each shifted right by ``shift`` (an
     intp value) and masked with ``mask``."""
     raw = builder.zext(_at(builder, base, offset, ir.VectorType(_I8, count)), ir.VectorType(_I32, count))
-    shifted = builder.lshr(raw, _broadcast(builder, builder.trunc(shift, _I32), count))
+    shifted = builder.lshr(raw, llvm_ops.broadcast(builder, builder.trunc(shift, _I32), count))
     return builder.and_(shifted, ir.Constant(ir.VectorType(_I32, count), [mask] * count))
+
+
+def _nibbles(builder: ir.IRBuilder, base: ir.Value, start: int, group: ir.Value, count: int) -> ir.Value:
+    """The 4-bit values of weights 8 group .. 8 group + 7 of a 32-weight block whose 16 bytes
+    start at ``base + start``: weights 0-15 are the bytes' low nibbles, 16-31 their high
+    ones (as ``gguf`` orders them); a vector of ``count`` int32."""
+    # groups 0 and 2 read bytes 0-7, groups 1 and 3 bytes 8-15; groups 2 and 3 the high nibbles
+    bytes_from = builder.add(_intp(start), builder.mul(builder.and_(group, _intp(1)), _intp(8)))
+    return _bytes(builder, base, bytes_from, count, builder.mul(builder.lshr(group, _intp(1)), _intp(4)), 0x0F)
+
+
+def _fifth_bits(builder: ir.IRBuilder, base: ir.Value, start: int, group: ir.Value, count: int) -> ir.Value:
+    """Bit 4 of weights 8 group .. 8 group + 7 (bit j of the little-endian uint32 at
+    ``base + start`` is weight j's), as int32 values 0 or 16."""
+    bits = _at(builder, base, start, _I32)
+    byte = builder.lshr(bits, builder.trunc(builder.mul(group, _intp(8)), _I32))
+    masks = ir.Constant(ir.VectorType(_I32, count), [1 << j for j in range(count)])
+    set_ = builder.icmp_unsigned("!=", builder.and_(llvm_ops.broadcast(builder, byte, count), masks),
+                                 ir.Constant(ir.VectorType(_I32, count), [0] * count))
+    return builder.shl(builder.zext(set_, ir.VectorType(_I32, count)), ir.Constant(ir.VectorType(_I32, count),
+                                                                                     [4] * count))
+
+
+def _scale_and_shift(builder: ir.IRBuilder, d: ir.Value, q: ir.Value, m: ir.Value) -> ir.Value:
+    """``gguf``'s ``(d * q) + m``, as one fused multiply-add: the same bits, because ``d * q``
+    is exact in float32 (d a float16, 11 significant bits; |q| <= 32, 6 bits: at most 17
+    significant bits, and no float16 is small enough to leave float32's normal range), so
+    rounding it first changes nothing (``tests/test_quantized.py`` checks every float16)."""
+    return llvm_ops.fma(builder, d, q, m)
+
+
+def dequantize_group(builder: ir.IRBuilder, format: Format, block: ir.Value, group: ir.Value,
+                     count: int) -> ir.Value:
+    """Weights 8 group .. 8 group + count - 1 of the block at ``block`` (an i8 pointer) as a
+    float32 vector, by ``gguf``'s operations in ``gguf``'s order (see the module docstring)."""
+    vector = ir.VectorType(_FLOAT, count)
+    ints = ir.VectorType(_I32, count)
+    if format.name == "Q8_0":  # x * d
+        offset = builder.add(_intp(2), builder.mul(group, _intp(8)))
+        values = builder.sitofp(_at(builder, block, offset, ir.VectorType(_I8, count)), vector)
+        return builder.fmul(values, llvm_ops.broadcast(builder, _half(builder, block, 0), count))
+    if format.name == "Q4_0":  # d * (q - 8)
+        q = builder.sub(_nibbles(builder, block, 2, group, count), ir.Constant(ints, [8] * count))
+        return builder.fmul(llvm_ops.broadcast(builder, _half(builder, block, 0), count), builder.sitofp(q, vector))
+    if format.name == "Q4_1":  # (d * q) + m
+        q = builder.uitofp(_nibbles(builder, block, 4, group, count), vector)
+        return _scale_and_shift(builder, llvm_ops.broadcast(builder, _half(builder, block, 0), count), q,
+                                llvm_ops.broadcast(builder, _half(builder, block, 2), count))
+    if format.name == "Q5_0":  # d * ((q | bit4) - 16)
+        q = builder.or_(_nibbles(builder, block, 6, group, count), _fifth_bits(builder, block, 2, group, count))
+        q = builder.sub(q, ir.Constant(ints, [16] * count))
+        return builder.fmul(llvm_ops.broadcast(builder, _half(builder, block, 0), count), builder.sitofp(q, vector))
+    if format.name == "Q5_1":  # (d * (q | bit4)) + m
+        q = builder.or_(_nibbles(builder, block, 8, group, count), _fifth_bits(builder, block, 4, group, count))
+        return _scale_and_shift(builder, llvm_ops.broadcast(builder, _half(builder, block, 0), count),
+                                builder.uitofp(q, vector), llvm_ops.broadcast(builder, _half(builder, block, 2), count))
+    if format.name in ("Q4_K", "Q5_K", "Q6_K"):
+        return _k_group(builder, format.name, block, group, count)
+    raise AssertionError(format.name)
 
 
 def _scale_byte(builder: ir.IRBuilder, block: ir.Value, offset: ir.Value) -> ir.Value:
@@ -277,7 +262,7 @@ def _k_group(builder: ir.IRBuilder, name: str, block: ir.Value, group: ir.Value,
         scale = builder.sitofp(_at(builder, block, builder.add(_intp(192), builder.udiv(group, _intp(2))), _I8),
                                _FLOAT)
         d = builder.fmul(_half(builder, block, 208), scale)
-        return builder.fmul(_broadcast(builder, d, count), builder.sitofp(q, vector))
+        return builder.fmul(llvm_ops.broadcast(builder, d, count), builder.sitofp(q, vector))
     sub = builder.udiv(group, _intp(4))  # 32-weight sub-block
     column = builder.mul(builder.urem(group, _intp(4)), _intp(8))
     chunk, nibble = builder.udiv(sub, _intp(2)), builder.urem(sub, _intp(2))
@@ -290,8 +275,8 @@ def _k_group(builder: ir.IRBuilder, name: str, block: ir.Value, group: ir.Value,
     scale, minimum = _k_scale_min(builder, block, sub)
     d = builder.fmul(_half(builder, block, 0), builder.uitofp(scale, _FLOAT))
     dm = builder.fmul(_half(builder, block, 2), builder.uitofp(minimum, _FLOAT))
-    return _scale_and_shift(builder, _broadcast(builder, d, count), builder.uitofp(q, vector),
-                            _broadcast(builder, builder.fneg(dm), count))
+    return _scale_and_shift(builder, llvm_ops.broadcast(builder, d, count), builder.uitofp(q, vector),
+                            llvm_ops.broadcast(builder, builder.fneg(dm), count))
 
 
 def _block_at(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: ir.Value,
@@ -302,20 +287,12 @@ def _block_at(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: 
     stored = context.make_array(array_type)(context, builder, value=array)
     base = builder.bitcast(stored.data, _I8.as_pointer())
     row_stride = builder.extract_value(stored.strides, 0)
-    block_size = ir.Constant(cgutils.intp_t, format.block)
+    block_size = _intp(format.block)
     block_index = builder.udiv(column, block_size)
     offset = builder.add(builder.mul(row, row_stride),
-                         builder.mul(block_index, ir.Constant(cgutils.intp_t, format.dtype.itemsize)))
-    group = builder.udiv(builder.urem(column, block_size), ir.Constant(cgutils.intp_t, 8))
+                         builder.mul(block_index, _intp(format.dtype.itemsize)))
+    group = builder.udiv(builder.urem(column, block_size), _intp(8))
     return format, builder.gep(base, [offset], source_etype=_I8), group
-
-
-def load_group(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: ir.Value, column: ir.Value,
-               count: int) -> ir.Value:
-    """Weights ``column .. column + count - 1`` of row ``row`` (intp values) of a stored block
-    tensor, de-quantised: ``column`` a multiple of ``count``, ``count`` 8 (`lanes.LANES`)."""
-    format, block, group = _block_at(context, builder, array_type, array, row, column)
-    return dequantize_group(builder, format, block, group, count)
 
 
 def load_groups(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: ir.Value, column: ir.Value,
@@ -324,5 +301,5 @@ def load_groups(context, builder: ir.IRBuilder, array_type, array: ir.Value, row
     ``groups * count`` = the block size for 32-weight formats) of row ``row``, de-quantised:
     one block's scales read once, its group offsets constants the compiler folds."""
     format, block, first = _block_at(context, builder, array_type, array, row, column)
-    return [dequantize_group(builder, format, block, builder.add(first, ir.Constant(cgutils.intp_t, g)), count)
+    return [dequantize_group(builder, format, block, builder.add(first, _intp(g)), count)
             for g in range(groups)]

@@ -48,6 +48,7 @@ class StoredWeights:
     """GGUF name (without ``.weight``) -> (GGUF type name, raw rows: uint8 (N, bytes per row))."""
     checked: list[str] = field(default_factory=list)
     """The tensors `blocks` handed out, each checked against the model's float weight."""
+    _checked_against: set[tuple] = field(default_factory=set, repr=False)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> StoredWeights:
@@ -89,10 +90,13 @@ class StoredWeights:
                                                                          quantized.weights_per_row(stored)):
             raise WeightsMismatch(f"{self.path.name}: {name} ({kind}, {len(stored)} rows) does not match the "
                                   f"model's {tuple(expected.shape)} {expected.dtype} weight")
-        if not np.array_equal(quantized.dequantize(stored).view(np.uint32), expected.numpy().view(np.uint32)):
-            raise WeightsMismatch(f"{self.path.name}: {name} does not de-quantise to the model's weight "
-                                  "(not the file this model was loaded from)")
-        self.checked.append(name)
+        checked = (name, expected.data_ptr(), tuple(expected.shape))
+        if checked not in self._checked_against:  # a tied head is its embedding: compared once
+            if not np.array_equal(quantized.dequantize(stored).view(np.uint32), expected.numpy().view(np.uint32)):
+                raise WeightsMismatch(f"{self.path.name}: {name} does not de-quantise to the model's weight "
+                                      "(not the file this model was loaded from)")
+            self._checked_against.add(checked)
+            self.checked.append(name)
         return stored
 
     def _name(self, role: str, layer: int | None) -> str:
