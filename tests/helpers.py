@@ -11,7 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import numpy as np
+
 from recap.check import CheckCase, CheckReport
+from recap.core import DraftTree
 from recap.decoding import GenerationResult
 
 
@@ -82,3 +85,25 @@ class ReferencePrimed:
 
     def propose(self, history, limits=None):
         return super().propose(self._prefix + list(history))
+
+
+def step_logits(decoder: Any, tree_size: int = 12) -> list[np.ndarray]:
+    """A 7-token prompt on a `FastDecoder`, then a verify of a random tree after it: each one's
+    logits (copies), for bit-for-bit comparisons of two decoders."""
+    rng = np.random.default_rng(0)
+    cache = decoder.new_cache(64)
+    logits = []
+    prompt = np.arange(7, dtype=np.int64) + 100  # a chain: row i sees rows 0..i
+    chain_starts = np.cumsum([0] + [i + 1 for i in range(7)]).astype(np.int64)
+    chain_paths = np.concatenate([np.arange(i + 1) for i in range(7)]).astype(np.int64)
+    logits.append(decoder.forward(cache, prompt, np.arange(7, dtype=np.int64), chain_starts, chain_paths).copy())
+    cache.commit(list(range(7)))
+    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, tree_size)]
+    tree = DraftTree(rng.integers(0, 1000, tree_size), parents)
+    starts, paths = tree.ancestor_lists()
+    tokens, _ = tree.packed(42)
+    depth = np.diff(starts) - 1
+    logits.append(decoder.forward(cache, np.asarray(tokens, np.int64), (7 + depth).astype(np.int64),
+                                  np.asarray(starts, np.int64),
+                                  np.asarray(paths, np.int64)).copy())
+    return logits

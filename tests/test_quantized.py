@@ -16,14 +16,13 @@ from llvmlite import ir
 from numba import njit
 
 import recap
-from recap.core import DraftTree
 from recap.errors import InputError
 from recap.target.kernels import FastDecoder, lanes, quantized
 from recap.target.kernels.lanes import LANES
 from recap.target.kernels.linear import Linear
 from recap.target.kernels.stored import StoredWeights, WeightsMismatch
 from tests.conftest import TINY_MODELS, load_target
-from tests.helpers import assert_drafted
+from tests.helpers import assert_drafted, step_logits
 
 FORMATS = list(quantized.FORMATS)
 
@@ -219,27 +218,6 @@ def _stored_twin(model: torch.nn.Module, seed: int) -> StoredWeights:
     return StoredWeights(Path("<random blocks>"), "synthetic", tensors)
 
 
-def _step_logits(decoder: FastDecoder, tree_size: int = 12) -> list[np.ndarray]:
-    """A 7-token prompt, a one-token step, then a verify of a random tree: each one's logits."""
-    rng = np.random.default_rng(0)
-    cache = decoder.new_cache(64)
-    logits = []
-    prompt = np.arange(7, dtype=np.int64) + 100  # a chain: row i sees rows 0..i
-    chain_starts = np.cumsum([0] + [i + 1 for i in range(7)]).astype(np.int64)
-    chain_paths = np.concatenate([np.arange(i + 1) for i in range(7)]).astype(np.int64)
-    logits.append(decoder.forward(cache, prompt, np.arange(7, dtype=np.int64), chain_starts, chain_paths).copy())
-    cache.commit(list(range(7)))
-    parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, tree_size)]
-    tree = DraftTree(rng.integers(0, 1000, tree_size), parents)
-    starts, paths = tree.ancestor_lists()
-    tokens, _ = tree.packed(42)
-    depth = np.diff(starts) - 1
-    logits.append(decoder.forward(cache, np.asarray(tokens, np.int64), (7 + depth).astype(np.int64),
-                                  np.asarray(starts, np.int64),
-                                  np.asarray(paths, np.int64)).copy())
-    return logits
-
-
 @pytest.mark.parametrize("name", TINY_MODELS)
 def test_every_family_on_stored_blocks_gives_the_float_steps_bits(name):
     """A tiny model of each family with GGUF-block weights (every format): a prefill and a
@@ -250,7 +228,7 @@ def test_every_family_on_stored_blocks_gives_the_float_steps_bits(name):
     on_floats = FastDecoder(target.model, warm_rows=(1,))
     assert on_blocks.weights == "stored" and on_floats.weights == "float"
     assert set(stored.checked) == set(stored.tensors)
-    for a, b in zip(_step_logits(on_blocks), _step_logits(on_floats), strict=True):
+    for a, b in zip(step_logits(on_blocks), step_logits(on_floats), strict=True):
         assert np.isfinite(a).all()
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
@@ -262,7 +240,7 @@ def test_smollm2_reads_its_gguf_blocks_and_gives_the_float_logits(smollm2):
     plain greedy decoding's output on the floats, token for token."""
     floats = recap.load("smollm2-135m", weights="float")
     assert smollm2.weights == "stored" and floats.weights == "float"
-    for stored_logits, float_logits in zip(_step_logits(smollm2._fast), _step_logits(floats._fast), strict=True):
+    for stored_logits, float_logits in zip(step_logits(smollm2._fast), step_logits(floats._fast), strict=True):
         np.testing.assert_array_equal(stored_logits.view(np.uint32), float_logits.view(np.uint32))
     prompt = "List the planets of the solar system in order, then list them again in reverse order."
     drafted = recap.generate(smollm2, prompt, method="recap", max_new_tokens=48)
@@ -351,7 +329,7 @@ def test_the_demo_vlm_reads_its_language_models_blocks():
     stored.prefill(stored.prepare("Describe the image.", Image.new("RGB", (64, 48), "red")))
     stored.release()
     assert stored._float_copies.dropped
-    for a, b in zip(_step_logits(stored._fast), _step_logits(floats._fast), strict=True):
+    for a, b in zip(step_logits(stored._fast), step_logits(floats._fast), strict=True):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
@@ -378,6 +356,7 @@ def test_a_gguf_path_loads_and_decodes_from_its_blocks():
     kernels read the file's blocks (checked against it), greedy output as the built-in's."""
     target = recap.load(str(_smollm2_file()))
     assert target.weights == "stored" and target.gguf_file == _smollm2_file()
+    assert target.float_copy  # a small file: transformers de-quantises it too, and the blocks are checked
     builtin = load_target("smollm2-135m")
     prompt = "Name three colours."
     assert recap.generate(target, prompt, method="ar", max_new_tokens=12).tokens == \

@@ -59,19 +59,28 @@ def model_cache_dir() -> Path:
 
 # --------------------------------------------------------------------------- public API
 def load(model: str | os.PathLike | tuple[Any, Any], *, dtype: str = "float32", device: str = "cpu",
-         top_k: int = 8, kernels: str = "auto", weights: str = "auto") -> TargetModel:
+         top_k: int = 8, kernels: str = "auto", weights: str = "auto",
+         float_copy: bool | None = None) -> TargetModel:
     """A ready `TargetModel` from a built-in name, a local model folder, a ``.gguf`` file (or a
     folder holding one) or (model, processor). ``kernels``: ``auto`` (the project's fast
     decode steps on CPU where the architecture is supported, transformers' elsewhere),
     ``fast`` or ``stock``. ``weights``: what the fast steps read for a model that came from
     a GGUF file: ``auto`` / ``stored`` (the file's blocks, de-quantised in registers to the
-    float weights bit for bit) or ``float`` (the de-quantised copy)."""
+    float weights bit for bit) or ``float`` (the de-quantised copy). ``float_copy``, for a
+    ``.gguf`` file: whether transformers also de-quantises it to a float model (what the stock
+    path and ``weights="float"`` read, and what the blocks are checked against at load);
+    ``None``: where twice its float bytes fit in the memory available, else the model is built
+    without those copies and the fast kernels read the file alone (`stored.model_from_file`)."""
     gguf_file = None
+    if device != "cpu" and float_copy is False:
+        raise InputError(f"a model built without its float copy runs on the CPU kernels only, not {device}")
     if isinstance(model, tuple):
         hf_model, processor = model
     else:
-        hf_model, processor = load_pretrained(str(model), dtype=dtype)
+        hf_model, processor = load_pretrained(str(model), dtype=dtype, float_copy=float_copy, weights=weights)
         gguf_file = gguf_source(str(model))
+    if device != "cpu" and _without_float_copy(hf_model):
+        raise InputError(f"a model built without its float copy runs on the CPU kernels only, not {device}")
     hf_model = hf_model.to(device)
     return wrap(hf_model, processor, top_k=top_k, kernels=kernels, weights=weights, gguf_file=gguf_file)
 
@@ -90,14 +99,18 @@ def gguf_source(name: str) -> Path | None:
     return None
 
 
-def load_pretrained(name: str, *, dtype: str = "float32") -> tuple[PreTrainedModel, Any]:
-    """(model, processor-or-tokenizer) for a built-in name or a local Hugging Face folder."""
+def load_pretrained(name: str, *, dtype: str = "float32", float_copy: bool | None = None,
+                    weights: str = "auto") -> tuple[PreTrainedModel, Any]:
+    """(model, processor-or-tokenizer) for a built-in name, a local Hugging Face folder or a
+    GGUF file (``float_copy``, ``weights``: as `load`'s)."""
     if dtype not in DTYPES:
         raise InputError(f"unknown dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+    if float_copy is False and (name in BUILTIN or gguf_source(name) is None):
+        raise InputError(f"float_copy=False builds a model from a .gguf file's blocks; {name} is not one")
     if name in BUILTIN:
         folder = _cached_build(name, BUILTIN[name], tag=_build_tag(name))
     elif (gguf := gguf_source(name)) is not None:
-        return _load_gguf(gguf, DTYPES[dtype])
+        return _load_gguf(gguf, DTYPES[dtype], float_copy=float_copy, weights=weights)
     elif Path(name).is_dir():
         folder = Path(name)
     else:
@@ -106,14 +119,42 @@ def load_pretrained(name: str, *, dtype: str = "float32") -> tuple[PreTrainedMod
     return _load_folder(folder, DTYPES[dtype])
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:
-    """A causal LM and its tokenizer from a GGUF file (transformers de-quantises it to float)."""
+def _load_gguf(path: Path, dtype: torch.dtype, *, float_copy: bool | None = None,
+               weights: str = "auto") -> tuple[PreTrainedModel, Any]:
+    """A causal LM and its tokenizer from a GGUF file: transformers de-quantises it to float
+    where ``float_copy`` says so (`load`), else the model is built without the float copies
+    of what the fast kernels read as blocks (`recap.target.kernels.stored.model_from_file`)."""
+    from recap.target.kernels.stored import float_bytes, model_from_file
+
+    needs_floats = weights == "float" or dtype != torch.float32
+    if float_copy is False and needs_floats:
+        raise InputError("float_copy=False reads the file's blocks in float32: it takes neither "
+                         "weights='float' nor another dtype")
     try:
+        if float_copy is None:
+            float_copy = needs_floats or 2 * float_bytes(path) <= available_memory()
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        if not float_copy:
+            return model_from_file(path), tokenizer
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     except (OSError, ValueError, KeyError, struct.error) as error:
         raise InputError(f"{path} is not a GGUF model transformers can load: {_first_line(error)}") from None
     return model.eval(), tokenizer
+
+
+def available_memory() -> int:
+    """Bytes the kernel says a process could still take without swapping (``MemAvailable``)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo") as meminfo:
+            line = next(line for line in meminfo if line.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def _without_float_copy(model: torch.nn.Module) -> bool:
+    from recap.target.kernels.stored import unmade
+
+    return any(unmade(parameter) for parameter in model.parameters())
 
 
 def _load_folder(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:

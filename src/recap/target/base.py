@@ -41,6 +41,7 @@ from recap.target.attention import compact_cache, tree_attention_mask, tree_posi
 from recap.target.image_attention import ImageAttentionCapture
 from recap.target.kernels.args import language_model
 from recap.target.kernels.prefix import PREFILL_CHUNK, ChunkedPrefill
+from recap.target.kernels.stored import unmade
 from recap.target.protocol import BaseTarget
 from recap.target.sampling import Sampler
 
@@ -160,6 +161,9 @@ class TargetModel(BaseTarget):
         while they run, rebuilt for anything else."""
         self._decoders: dict[str, Any] = {}
         """Fast decoders by the weights they read, once `use_weights` switched between them."""
+        self.float_copy = not any(unmade(parameter) for parameter in model.parameters())
+        """False for a model built from a GGUF file without its float weights (`recap.load`'s
+        ``float_copy``): the fast kernels read the file; the floats exist only once rebuilt."""
         self.parameter_count = sum(parameter.numel() for parameter in model.parameters())
         """The model's parameters, counted at load (some may be dropped later: `FloatCopies`)."""
         if weights not in WEIGHTS:
@@ -242,6 +246,11 @@ class TargetModel(BaseTarget):
             if reason is not None and kernels == "fast":
                 raise InputError(f"--kernels fast does not support {self.name}: {reason}")
             kernels = "stock" if reason is not None else "fast"
+        if self._fast is None and self.float_copy is False and (kernels == "stock" or self.gguf_file is None
+                                                               or self._weights_wanted == "float"):
+            raise InputError(f"{self.name} was built from its GGUF file's blocks without float weights "
+                             "(float_copy=False): it runs on the fast kernels reading that file; load it with "
+                             "float_copy=True for the stock path or weights='float'")
         if self._weights_wanted == "stored" and self._fast is None and (kernels == "stock" or self.gguf_file is None):
             raise InputError("--weights stored needs the fast kernels and a model loaded from a GGUF file "
                              f"({self.name} was not)" if self.gguf_file is None else

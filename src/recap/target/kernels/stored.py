@@ -8,6 +8,13 @@ de-quantise, bit for bit, to the model's own float weights: so a model read as s
 the float path's logits exactly, and a file that is not the model's source is refused
 rather than trusted.
 
+A GGUF whose float weights would not fit in memory (`model_from_file`): the model is built
+without its decoder's block weights (a placeholder of the right shape stands in each: no
+bytes) and the kernels read the file alone; the rest (norms, biases, float tensors) is
+de-quantised as transformers' loader would. With no float copy there is nothing to compare
+the blocks with: `StoredWeights.blocks` then checks shapes and formats and lists the tensor
+under ``trusted``.
+
 Names: the file's tensors follow llama.cpp's naming (``gguf.TENSOR_NAMES``); Llama files
 store q and k rows permuted for llama.cpp's RoPE layout, which transformers' loader undoes
 (`_llama_rows`), so their blocks are copied once in the model's row order (a few hundred KB a
@@ -48,6 +55,9 @@ class StoredWeights:
     """GGUF name (without ``.weight``) -> (GGUF type name, raw rows: uint8 (N, bytes per row))."""
     checked: list[str] = field(default_factory=list)
     """The tensors `blocks` handed out, each checked against the model's float weight."""
+    trusted: list[str] = field(default_factory=list)
+    """The tensors `blocks` handed out for a model built from this file alone
+    (`model_from_file`): it has no float weight to check them against."""
     _checked_against: set[tuple] = field(default_factory=set, repr=False)
 
     @classmethod
@@ -91,7 +101,10 @@ class StoredWeights:
             raise WeightsMismatch(f"{self.path.name}: {name} ({kind}, {len(stored)} rows) does not match the "
                                   f"model's {tuple(expected.shape)} {expected.dtype} weight")
         checked = (name, expected.data_ptr(), tuple(expected.shape))
-        if checked not in self._checked_against:  # a tied head is its embedding: compared once
+        if unmade(expected):
+            if name not in self.trusted:
+                self.trusted.append(name)
+        elif checked not in self._checked_against:  # a tied head is its embedding: compared once
             if not np.array_equal(quantized.dequantize(stored).view(np.uint32), expected.numpy().view(np.uint32)):
                 raise WeightsMismatch(f"{self.path.name}: {name} does not de-quantise to the model's weight "
                                       "(not the file this model was loaded from)")
@@ -125,6 +138,111 @@ def _llama_rows(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
 
 
+_UNMADE = torch.tensor(float("nan"))
+"""The one element every placeholder (`placeholder`) views: NaN, so a computation that ever
+read one would say so."""
+
+
+def placeholder(shape: tuple[int, ...]) -> torch.nn.Parameter:
+    """A float32 parameter of ``shape`` that holds no bytes: where `model_from_file` leaves a
+    weight the kernels read from the file's blocks."""
+    return torch.nn.Parameter(_UNMADE.expand(shape), requires_grad=False)
+
+
+def unmade(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a `placeholder` (no float weight behind it)."""
+    return tensor.numel() > 1 and tensor.untyped_storage().data_ptr() == _UNMADE.untyped_storage().data_ptr()
+
+
+def float_bytes(path: str | os.PathLike) -> int:
+    """The bytes a GGUF file's tensors take de-quantised to float32 (what transformers' loader
+    makes of them), read from its header."""
+    import gguf
+
+    return 4 * sum(int(tensor.n_elements) for tensor in gguf.GGUFReader(path).tensors)
+
+
+def model_from_file(path: str | os.PathLike) -> torch.nn.Module:
+    """A causal LM built from a GGUF file without the float copies of its decoder's block
+    weights: each is a `placeholder`, and `StoredWeights` hands the fast kernels its blocks.
+    Every other tensor (norms, biases, tensors stored as floats) is de-quantised as
+    transformers' GGUF loader does it (``gguf.dequantize``, then its tensor processor: the
+    same floats), so the model equals the one transformers would build, minus those copies.
+    For a file whose float weights would not fit in memory (`recap.models.load`'s
+    ``float_copy``); ``tests/test_model_from_file.py`` holds its logits to that model's."""
+    import gguf
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        LlamaTensorProcessor,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    path = Path(path)
+    try:
+        reader = gguf.GGUFReader(path)
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except (OSError, ValueError, KeyError, struct.error) as error:
+        raise InputError(f"{path} is not a GGUF model transformers can read: {error}") from None
+    architecture = str(reader.fields["general.architecture"].contents())
+    processor_class = TENSOR_PROCESSORS.get(architecture, TensorProcessor)
+    if processor_class not in (TensorProcessor, LlamaTensorProcessor):
+        raise InputError(f"{path.name}: a {architecture} file cannot be built without its float copy "
+                         "(transformers' loader reshapes its tensors); load it with float_copy=True")
+    processor = processor_class(config=config.to_dict())
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device: no bytes
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.tie_weights()  # as transformers' loader does: a tied head is the embedding's parameter
+    names = get_gguf_hf_weights_map(model, processor)  # file name -> model name
+    read_as_blocks = _block_names(config.num_hidden_layers)
+    made: dict[str, torch.Tensor] = {}
+    left: set[str] = set()
+    for tensor in reader.tensors:
+        if tensor.name not in names:
+            continue
+        if tensor.name.removesuffix(".weight") in read_as_blocks and tensor.tensor_type.name in quantized.FORMATS:
+            left.add(names[tensor.name])
+            continue
+        weights = gguf.dequantize(tensor.data, tensor.tensor_type)
+        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names,
+                                   parsed_parameters={})
+        made[names[result.name]] = torch.from_numpy(np.copy(result.weights))
+    replaced: dict[int, torch.nn.Parameter] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in replaced:  # a tied head is its embedding
+            continue
+        if name in made:
+            if tuple(made[name].shape) != tuple(parameter.shape):
+                raise WeightsMismatch(f"{path.name}: {name} has shape {tuple(made[name].shape)}, the model "
+                                      f"{tuple(parameter.shape)}")
+            replaced[id(parameter)] = torch.nn.Parameter(made[name].float(), requires_grad=False)
+        elif name in left:
+            replaced[id(parameter)] = placeholder(tuple(parameter.shape))
+        else:
+            raise InputError(f"{path.name} holds no tensor for the model's {name}")
+    for module in model.modules():
+        for key, parameter in module._parameters.items():
+            if parameter is not None:
+                module._parameters[key] = replaced[id(parameter)]
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_meta:
+                raise InputError(f"{path.name}: the model's buffer {key} was not built")
+    model.config.name_or_path = str(path.parent)
+    return model.eval()
+
+
+def _block_names(layers: int) -> set[str]:
+    """The file's names (without ``.weight``) of the tensors the fast kernels read as blocks."""
+    import gguf
+
+    names = {gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.TOKEN_EMBD], gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT]}
+    for role in ROLES.values():
+        names.update(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR[role]].format(bid=layer) for layer in range(layers))
+    return names
+
+
 class FloatCopies:
     """The model's float tensors that the fast kernels read as GGUF blocks instead: dropped
     once the kernels are built (so a process decoding SmolLM2 holds about the file's bytes
@@ -140,7 +258,8 @@ class FloatCopies:
         self.pairs = pairs
         """(parameter, its blocks in the model's row order) for every float copy."""
         self.shapes = [tuple(parameter.shape) for parameter, _ in pairs]
-        self.dropped = False
+        self.dropped = any(unmade(parameter) for parameter, _ in pairs)
+        """Whether the floats are gone (from the start for a model built from the file alone)."""
         owned = {id(parameter) for parameter, _ in pairs}
         self._hooks = [module.register_forward_pre_hook(lambda module, args: self.restore())
                        for module in model.modules()
@@ -168,6 +287,6 @@ class FloatCopies:
         if not self.dropped:
             return
         for (parameter, blocks), shape in zip(self.pairs, self.shapes, strict=True):
-            if parameter.numel() == 0:  # a tied parameter comes back once
+            if parameter.numel() == 0 or unmade(parameter):  # a tied parameter comes back once
                 parameter.data = torch.from_numpy(quantized.dequantize(blocks)).reshape(shape)
         self.dropped = False
