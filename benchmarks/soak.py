@@ -6,7 +6,13 @@ mixes good requests (a handful of fixed prompts, greedy and seeded sampling, str
 and sent as a chunked body) with hostile ones (bad JSON, wrong types, huge ``max_tokens``,
 oversized and chunked bodies, deep nesting, bad images, path-like image URLs, a wrong model,
 missing or wrong keys, slow clients that send a body byte by byte and stop, streams dropped
-mid-way). Halfway through the server is SIGKILLed and restarted on the same memory folder.
+mid-way, non-streamed requests abandoned after 20 ms). A third tenant, ``mallory``, floods:
+``--flood-clients`` threads send requests without pause and retry each refusal at once (it
+should get 429 ``tenant_share_exceeded``, never take the others' slots). A quarter of the way
+in, a hostile memory file (ids stored as float32 NaN, with a valid checksum) is dropped into
+the folder for a fourth tenant, ``carol``, whose requests start then: the server must move it
+aside and answer her like everyone else. Halfway through the server is SIGKILLed and
+restarted on the same memory folder.
 
 Every good answer is compared with the first answer the server gave for that request and with
 a reference computed once, in this process, by plain one-token decoding (`--method ar`) of the
@@ -17,7 +23,11 @@ same model on the same kernels (`TargetModel.reference_generate`; for seeded sam
 - every good answer identical to its reference, and every good request answered while the
   server was up;
 - every ``*.safetensors`` memory file loadable with `read_token_memory`, right after the kill
-  and at the end; no ``*.unreadable-*`` file (a file the server found corrupt);
+  and at the end; no ``*.unreadable-*`` file (a file the server found corrupt) but the planted
+  one of ``carol``, moved aside once;
+- the flooding tenant refused with ``tenant_share_exceeded`` and answered too (no 5xx), and no
+  other tenant's good request refused: none starved;
+- the decoder's work for abandoned requests (``recap_abandoned_tokens_total``) reported;
 - the restarted server's RSS at the end within 10% of its RSS after warm-up (the first
   server's growth until the kill is reported too);
 - SIGTERM at the end exits 0.
@@ -60,6 +70,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 TENANTS = {"alice": "soak-key-alice-0001", "bob": "soak-key-bob-000002"}
+FLOODER = ("mallory", "soak-key-mallory-003")
+"""The tenant that floods: its own key, so its share is bounded by --tenant-share."""
+LATE = ("carol", "soak-key-carol-00004")
+"""The tenant whose memory file is planted, hostile, before her first request."""
+KEYS = {**TENANTS, FLOODER[0]: FLOODER[1], LATE[0]: LATE[1]}
 RSS_LIMIT = 0.10
 
 
@@ -321,7 +336,7 @@ class Server:
                         "--method", args.method, "--threads", str(args.threads), "--memory-dir", str(memory),
                         "--api-keys", str(keys), "--cost-profile", args.cost_profile, "--kernels", args.kernels,
                         "--request-timeout", str(args.request_timeout), "--max-body-bytes", str(args.max_body_bytes),
-                        "--max-tokens-limit", str(args.max_tokens_limit)]
+                        "--max-tokens-limit", str(args.max_tokens_limit), "--tenant-share", str(args.tenant_share)]
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         self.proc: subprocess.Popen | None = None
@@ -379,6 +394,9 @@ class Soak:
         self.stop = threading.Event()
         self.down = threading.Event()  # set from the SIGKILL until the restarted server answers
         self.epoch = 0  # bumped at the kill: a request that spans it may fail without blame
+        self.tenants = list(TENANTS)
+        """Who the good and hostile clients speak for (carol joins once her file is planted)."""
+        self.vocab_size = 0
 
     # -- good requests
     def good(self, client: httpx.Client, rng: random.Random, *, case: GoodCase | None = None,
@@ -386,10 +404,10 @@ class Soak:
         case = case or rng.choice(GOOD_CASES)
         mode = mode or rng.choice(["plain", "stream", "plain", "stream", "chunked", "stream_dropped",
                                    "plain_dropped"])
-        tenant = tenant or rng.choice(list(TENANTS))
+        tenant = tenant or rng.choice(self.tenants)
         kind = f"good_{mode}"
         body = case.body(self.args.model, mode in ("stream", "stream_dropped"))
-        headers = {"Authorization": f"Bearer {TENANTS[tenant]}", "Content-Type": "application/json"}
+        headers = {"Authorization": f"Bearer {KEYS[tenant]}", "Content-Type": "application/json"}
         epoch, start = self.epoch, time.monotonic()
         detail = {"kind": kind, "case": case.name, "tenant": tenant}
         try:
@@ -497,7 +515,7 @@ class Soak:
     def send_hostile(self, client: httpx.Client, request: Hostile, tenant: str) -> None:
         headers = {"Content-Type": "application/json"} if request.method == "POST" else {}
         if request.auth:
-            headers["Authorization"] = f"Bearer {TENANTS[tenant]}"
+            headers["Authorization"] = f"Bearer {KEYS[tenant]}"
         headers.update(request.headers)
         content = request.body() if callable(request.body) else request.body
         epoch = self.epoch
@@ -540,7 +558,7 @@ class Soak:
         port = int(self.url.rsplit(":", 1)[1])
         body = json.dumps(GOOD_CASES[0].body(self.args.model, False)).encode()
         head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-                f"Authorization: Bearer {TENANTS[tenant]}\r\nContent-Type: application/json\r\n"
+                f"Authorization: Bearer {KEYS[tenant]}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode()
         epoch = self.epoch
         wait = self.args.request_timeout + 15
@@ -586,6 +604,52 @@ class Soak:
         expected = frozenset({408}) if variant == "slow_stop" else frozenset({400, 408})
         self._judge(variant, variant, status, data.decode("latin-1").split("\r\n\r\n", 1)[-1], expected)
 
+    # -- the flooding tenant and the late one
+    def flood(self, index: int) -> None:
+        """Requests from ``mallory`` without pause, each refusal retried at once."""
+        body = GOOD_CASES[index % len(GOOD_CASES)].body(self.args.model, False)
+        headers = {"Authorization": f"Bearer {FLOODER[1]}", "Content-Type": "application/json"}
+        with httpx.Client() as client:
+            while not self.stop.is_set():
+                if not self.up.wait(0.5):
+                    continue
+                epoch = self.epoch
+                try:
+                    response = client.post(f"{self.url}/v1/chat/completions", json=body, headers=headers,
+                                           timeout=self.args.request_timeout + 30)
+                except httpx.HTTPError as error:
+                    self._transport("flood", epoch, error, {"kind": "flood"}, expected=False)
+                    client.close()
+                    client = httpx.Client()
+                    continue
+                code = str(response.status_code)
+                if response.status_code == 429:
+                    code = f"429 {response.json()['error']['code']}"
+                elif response.status_code >= 500:
+                    self.record.add(self.record.server_errors, {"kind": "flood", "status": response.status_code,
+                                                                "body": response.text[:500]})
+                self.record.count("flood", code)
+
+    def plant(self, memory: Path) -> None:
+        """Drop a hostile memory file for ``carol`` (float32 NaN ids, valid checksum), then let
+        her requests start."""
+        import numpy as np
+        from safetensors.numpy import save_file
+
+        from recap.core.persistence import FORMAT, _checksum
+
+        tensors = {"keys": np.arange(3, dtype=np.int64), "ids": np.full((3, 8), np.nan, np.float32),
+                   "probs": np.full((3, 8), 0.125, np.float32), "store": np.zeros(0, np.int64),
+                   "calibration_trials": np.zeros(0), "calibration_accepts": np.zeros(0),
+                   "seen_tokens": np.arange(3, dtype=np.int64), "seen_requests": np.ones(3, np.int64),
+                   "calibration_expected": np.zeros(0)}
+        order = ["keys", "ids", "probs", "store", "calibration_trials", "calibration_accepts", "seen_tokens",
+                 "seen_requests", "calibration_expected"]
+        save_file(tensors, str(memory / f"{LATE[0]}.safetensors"),
+                  metadata={"format": FORMAT, "version": "4", "vocab_size": str(self.vocab_size), "top_k": "8",
+                            "sha256": _checksum(*(tensors[name] for name in order))})
+        self.tenants = [*TENANTS, LATE[0]]
+
     # -- the client threads
     def client(self, index: int) -> None:
         rng = random.Random(1000 + index)
@@ -597,7 +661,7 @@ class Soak:
                 if epoch != self.epoch:  # its pooled connections went with the killed server
                     client.close()
                     client, epoch = httpx.Client(), self.epoch
-                tenant = rng.choice(list(TENANTS))
+                tenant = rng.choice(self.tenants)
                 roll = rng.random()
                 if roll < 0.5:
                     self.good(client, rng)
@@ -643,12 +707,13 @@ def memory_report(folder: Path) -> dict[str, Any]:
                 files[path.name] = {"ok": False, "error": f"{type(error).__name__}: {error}"}
     others = sorted(p.name for p in folder.iterdir() if not p.name.endswith(".safetensors"))
     unreadable = [name for name in others if ".unreadable-" in name]
-    ok = bool(files) and all(f["ok"] for f in files.values()) and not unreadable
-    return {"ok": ok, "files": files, "unreadable": unreadable,
+    planted = [name for name in unreadable if name.startswith(f"{LATE[0]}.safetensors.")]
+    ok = bool(files) and all(f["ok"] for f in files.values()) and len(unreadable) == len(planted) <= 1
+    return {"ok": ok, "files": files, "unreadable": unreadable, "planted_moved_aside": len(planted),
             "leftover_temporary": [n for n in others if ".tmp" in n], "other": others}
 
 
-def compute_references(args: argparse.Namespace) -> dict[str, str]:
+def compute_references(args: argparse.Namespace) -> tuple[dict[str, str], int]:
     """Plain one-token decoding of every good case, on the server's model and kernels."""
     import torch
 
@@ -670,7 +735,18 @@ def compute_references(args: argparse.Namespace) -> dict[str, str]:
             tokens = decode(target, make_proposer("ar"), inputs, max_new_tokens=case.max_tokens,
                             sampling=sampling).tokens
         out[case.name] = target.tokenizer.decode(tokens, skip_special_tokens=True)
-    return out
+    return out, target.vocab_size
+
+
+def _metrics(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Samples of the server's /metrics (absent: 0)."""
+    found = dict.fromkeys(names, 0.0)
+    with contextlib.suppress(httpx.HTTPError):
+        for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+            name, _, value = line.rpartition(" ")
+            if name in found:
+                found[name] = float(value)
+    return found
 
 
 def log_findings(log: Path) -> dict[str, Any]:
@@ -694,6 +770,9 @@ def main() -> int:
                         help="the server's --request-timeout: how long a slow client can hold a request")
     parser.add_argument("--max-body-bytes", type=int, default=256 * 1024)
     parser.add_argument("--max-tokens-limit", type=int, default=1024)
+    parser.add_argument("--flood-clients", type=int, default=10, help="threads of the flooding tenant")
+    parser.add_argument("--tenant-share", type=float, default=0.1,
+                        help="the server's --tenant-share (0.1: 7 of 64 queue slots + 8 lanes, below the flood)")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (log, memories, keys)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -701,14 +780,15 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="recap-soak-"))
     memory, keys, log = workdir / "memory", workdir / "keys.txt", workdir / "server.log"
     memory.mkdir()
-    keys.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in TENANTS.items()))
+    keys.write_text("# tenant key\n" + "".join(f"{t} {k}\n" for t, k in KEYS.items()))
     print(f"soak: {args.model}, {args.method}, {args.clients} clients, {args.duration:.0f} s; folder {workdir}",
           flush=True)
     started = time.monotonic()
-    references = compute_references(args)
+    references, vocab_size = compute_references(args)
     print(f"references computed in {time.monotonic() - started:.1f} s", flush=True)
 
     soak = Soak(args, references)
+    soak.vocab_size = vocab_size
     port = free_port()
     server = Server(args, port, keys, memory, log)
     soak.url = server.url
@@ -726,8 +806,12 @@ def main() -> int:
         begin = time.monotonic()
         soak.up.set()
         threads = [threading.Thread(target=soak.client, args=(i,), daemon=True) for i in range(args.clients)]
+        threads += [threading.Thread(target=soak.flood, args=(i,), daemon=True) for i in range(args.flood_clients)]
         for thread in threads:
             thread.start()
+        time.sleep(max(0.0, begin + args.duration / 4 - time.monotonic()))
+        soak.plant(memory)
+        print(f"planted a hostile memory file for {LATE[0]} at {time.monotonic() - begin:.1f} s", flush=True)
         time.sleep(max(0.0, begin + args.duration / 2 - time.monotonic()))
 
         rss["first_before_kill"] = rss_bytes(server.pid)
@@ -755,6 +839,8 @@ def main() -> int:
         result["hung_clients"] = sum(t.is_alive() for t in threads)
         result["clients_done_s"] = time.monotonic() - begin  # the last requests (slow clients) finish
         rss["second_after_clients"] = rss_bytes(server.pid)
+        result["abandoned"] = _metrics(server.url, ("recap_abandoned_tokens_total",
+                                                    'recap_requests_total{status="499"}'))
     finally:
         soak.stop.set()
         if server.proc is not None and server.proc.poll() is None:
@@ -773,6 +859,11 @@ def main() -> int:
         "memory files load at the end": final["ok"],
         f"RSS growth after the restart < {RSS_LIMIT:.0%}": second_growth < RSS_LIMIT,
         "SIGTERM exits 0": exit_status == 0,
+        "the flooding tenant held to its share and answered too":
+            record.counts["flood"].get("429 tenant_share_exceeded", 0) > 0 and record.counts["flood"].get("200", 0) > 0
+            and set(record.counts["flood"]) <= {"200", "429 tenant_share_exceeded"},
+        "the planted memory file moved aside once, its tenant answered":
+            final.get("planted_moved_aside") == 1 and any(key.startswith("good") for key in record.counts),
         "no client thread hung": result.get("hung_clients", 1) == 0,
     }
     result.update({
@@ -803,7 +894,12 @@ def main() -> int:
     print(f"RSS: first server {rss['first_start'] / 2**20:.1f} -> {rss['first_before_kill'] / 2**20:.1f} MiB "
           f"({first_growth:+.1%}) until the kill; restarted {rss['second_start'] / 2**20:.1f} -> "
           f"{rss['second_end'] / 2**20:.1f} MiB ({second_growth:+.1%})")
-    print(f"memory files at the end: {final['files']}; leftover temporary files: {final['leftover_temporary']}")
+    print(f"memory files at the end: {final['files']}; leftover temporary files: {final['leftover_temporary']}; "
+          f"moved aside: {final['unreadable']}")
+    abandoned = result.get("abandoned", {})
+    cancelled = abandoned.get('recap_requests_total{status="499"}', 0)
+    print(f"abandoned requests (499) since the restart: {cancelled:.0f}, tokens decoded for requests that ended "
+          f"without an answer: {abandoned.get('recap_abandoned_tokens_total', 0):.0f}")
     print(f"server log: {result['log']['tracebacks']} traceback(s), levels {result['log']['levels']}")
     for name, items in (("5xx", record.server_errors), ("mismatch", record.mismatches),
                         ("good failure", record.good_failures), ("unexpected", record.unexpected),

@@ -322,18 +322,18 @@ def test_no_save_reads_a_stream_while_a_request_changes_it(tmp_path):
 
 
 def test_concurrent_saves_of_one_file_use_their_own_temporary_files(tmp_path, monkeypatch):
-    import safetensors.numpy
+    import recap.core.persistence as persistence
 
-    real = safetensors.numpy.save_file
+    real = persistence.write_private
     both_inside = threading.Barrier(2, timeout=30)
     names: list[str] = []
 
-    def save_file(tensors, filename, metadata=None):
+    def write_private(filename, data):
         names.append(filename)
-        real(tensors, filename, metadata=metadata)
+        real(filename, data)
         both_inside.wait()  # the two writers hold their temporary files at the same time
 
-    monkeypatch.setattr(safetensors.numpy, "save_file", save_file)
+    monkeypatch.setattr(persistence, "write_private", write_private)
     path = tmp_path / "tenant.safetensors"
     errors: list[BaseException] = []
 

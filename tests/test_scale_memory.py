@@ -171,12 +171,15 @@ def test_a_held_tenant_blocks_another_holder_until_saved_and_released(tmp_path):
 def test_old_temporaries_go_and_recent_ones_stay(tmp_path):
     import os
 
-    old, new = tmp_path / "a.safetensors.tmp-1-2-ab", tmp_path / "b.safetensors.tmp-99999999-1-cd"
+    old, new = tmp_path / ".a.safetensors.tmp-1-2-abcd1234", tmp_path / ".b.safetensors.tmp-99999999-1-cdcd1234"
+    tenant = tmp_path / "c.tmp-1-2-abcd1234.safetensors"  # a tenant's file, however old, is no temporary
+    tenant.write_bytes(b"x")
+    os.utime(tenant, (time.time() - 7200, time.time() - 7200))
     old.write_bytes(b"x")
     new.write_bytes(b"x")
     os.utime(old, (time.time() - 7200, time.time() - 7200))
     assert remove_old_temporaries(tmp_path) == [old.name]
-    assert new.exists()  # a writer on another machine may still be saving it
+    assert new.exists() and tenant.exists()  # a writer on another machine may still be saving it
     assert memory_metadata(tmp_path / "missing.safetensors") is None
     (tmp_path / "bad.safetensors").write_bytes(b"not a file")
     assert memory_metadata(tmp_path / "bad.safetensors") == {}

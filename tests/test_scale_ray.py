@@ -34,8 +34,8 @@ pytestmark = [pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason
               pytest.mark.xdist_group("ray")]  # one worker: one private Ray instance at a time
 
 MODEL = "tiny-llama"
-KEYS = {f"key-of-tenant-{i}": f"tenant-{i}" for i in range(4)}
-FRESH = {f"key-of-tenant-{i}": f"tenant-{i}" for i in (4, 5)}
+KEYS = {f"key-of-tenant-{i:02d}": f"tenant-{i}" for i in range(4)}
+FRESH = {f"key-of-tenant-{i:02d}": f"tenant-{i}" for i in (4, 5)}
 """Two more tenants, used only by the isolation test."""
 PROMPTS = ["Tell me about the sea.", "Name three colours.", "Count to ten.", "What is a tree?"]
 MAX_TOKENS = 12
@@ -72,7 +72,7 @@ def _started(stream):
 
 
 def _client(url: str, tenant: int) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=f"key-of-tenant-{tenant}", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=f"key-of-tenant-{tenant:02d}", max_retries=0, timeout=120)
 
 
 def _ask(url: str, tenant: int, prompt: str, stream: bool, max_tokens: int = MAX_TOKENS) -> tuple[str, int]:

@@ -418,7 +418,7 @@ def test_every_error_is_json_with_its_status(tmp_path):
         app.state.tenants.stream = broken
         status, error = _post(url, {"model": "tiny-llama", "messages": ok_message, "max_tokens": 4})
         assert status == 500 and "secret" not in error["message"] and error["type"] == "server_error"
-    with serving("tiny-llama", api_keys={"k" * 12: "t"}) as (url, _):
+    with serving("tiny-llama", api_keys={"k" * 16: "t"}) as (url, _):
         status, error = _post(url, {"model": "tiny-llama", "messages": ok_message})
         assert status == 401 and error["code"] == "invalid_api_key"
         assert httpx.get(f"{url}/v1/models").status_code == 401

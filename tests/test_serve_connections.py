@@ -151,14 +151,16 @@ def _dead_pid() -> int:
 def test_temporary_files_of_interrupted_saves_are_removed_at_start(tmp_path):
     memory = tmp_path / "alice.safetensors"
     memory.write_bytes(b"the last good save")
-    dead = tmp_path / f"alice.safetensors.tmp-{_dead_pid()}-1-abcd"
+    dead = tmp_path / f".alice.safetensors.tmp-{_dead_pid()}-1-abcd1234"
     dead.write_bytes(b"half a save")
     live = tmp_path / os.path.basename(temporary_path(tmp_path / "bob.safetensors"))  # this process: saving
     live.write_bytes(b"a save in progress")
     other = tmp_path / "notes.tmp-txt"
     other.write_bytes(b"not ours")
+    tenant = tmp_path / f"x.tmp-{_dead_pid()}-1-abcd1234.safetensors"  # a tenant's file, however named
+    tenant.write_bytes(b"a tenant's memory")
     TenantStreams("pld", vocab_size=100, memory_dir=tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([memory.name, live.name, other.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([memory.name, live.name, other.name, tenant.name])
     assert remove_stale_temporaries(tmp_path) == []
 
 

@@ -435,7 +435,7 @@ def test_tenant_names_that_could_leave_the_memory_folder_are_refused(name, tmp_p
     memory = tmp_path / "memory"
     target = load_target("tiny-llama")
     with pytest.raises(InputError, match="tenant"):
-        create_app(target, ServerConfig(model_name="tiny-llama", api_keys={"k" * 12: name}, memory_dir=str(memory)))
+        create_app(target, ServerConfig(model_name="tiny-llama", api_keys={"k" * 16: name}, memory_dir=str(memory)))
     if isinstance(name, str) and "\n" not in name and " " not in name and name:
         keys = tmp_path / "keys"
         keys.write_text(f"{name} key-of-someone-01\n")

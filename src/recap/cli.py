@@ -556,6 +556,10 @@ def _add_serve(commands) -> None:
                        help="one '<tenant> <key>' per line; clients send 'Authorization: Bearer <key>'")
     serve.add_argument("--max-queue", type=_positive, default=64,
                        help="requests admitted and not yet decoding before answering 429")
+    serve.add_argument("--tenant-share", type=float, default=0.5,
+                       help="with several tenants (--api-keys), the share of the request slots (queue plus batch "
+                            "lanes) one tenant may hold at once; past it that tenant gets 429 while the others "
+                            "are still admitted (default 0.5; 1: no limit)")
     serve.add_argument("--max-batch", type=_positive, default=None,
                        help="requests decoded together, one forward per step (default: on the fast kernels, "
                             "the most whose one-row-each step costs at most 2x a one-token step on this "
@@ -628,7 +632,7 @@ def _serve(args: argparse.Namespace) -> int:
     name = args.model if args.model in BUILTIN else os.path.basename(os.path.normpath(args.model))
     config = ServerConfig(model_name=name, method=args.method, api_keys=keys, memory_dir=args.memory_dir,
                           memory_rows=args.memory_rows,
-                          max_queue=args.max_queue, max_batch=args.max_batch,
+                          max_queue=args.max_queue, max_batch=args.max_batch, tenant_share=args.tenant_share,
                           shared_budget=args.batch_budget == "shared", max_tokens_limit=args.max_tokens_limit,
                           request_timeout=float(args.request_timeout), max_body_bytes=args.max_body_bytes,
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,

@@ -16,8 +16,14 @@ import os
 
 import numpy as np
 
-from recap.core.persistence import temporary_path
-from recap.errors import InputError
+from recap.core.persistence import (
+    MAX_FILE_BYTES,
+    MemoryFileError,
+    parse_count,
+    safetensors_metadata,
+    temporary_path,
+    write_private,
+)
 
 FORMAT = "recap-adjacency-matrix"
 UNKNOWN = -1
@@ -93,35 +99,57 @@ class AdjacencyMatrix:
 
     def save(self, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
         """The rows that differ from an unwritten row, with their tokens (safetensors, written
-        through a temporary file so an interrupted save leaves no half file); ``metadata``:
-        extra string fields stored with the file's own."""
-        from safetensors.numpy import save_file
+        0600 through a temporary file, fsynced, then renamed: an interrupted save leaves no
+        half file); ``metadata``: extra string fields stored with the file's own."""
+        from safetensors.numpy import save
 
         tokens = np.flatnonzero((self.table != self.fill).any(axis=1)).astype(np.int64)
         own = {"format": FORMAT, "vocab_size": str(self.vocab_size), "k": str(self.k), "fill": str(self.fill)}
         metadata = {**{str(k): str(v) for k, v in (metadata or {}).items()}, **own}
         temporary = temporary_path(path)
         try:
-            save_file({"tokens": tokens, "rows": np.ascontiguousarray(self.table[tokens])}, temporary,
-                      metadata=metadata)
+            write_private(temporary, save({"tokens": tokens, "rows": np.ascontiguousarray(self.table[tokens])},
+                                          metadata=metadata))
             os.replace(temporary, path)
         finally:
             if os.path.exists(temporary):
                 os.unlink(temporary)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, fill: int) -> AdjacencyMatrix:
-        """A table saved by `save`; another format or a different ``fill`` is an `InputError`."""
-        from safetensors import safe_open
+    def load(cls, path: str | os.PathLike, *, fill: int, vocab_size: int | None = None,
+             max_bytes: int = MAX_FILE_BYTES) -> AdjacencyMatrix:
+        """A table saved by `save`, checked whole before anything is built: its format and
+        ``fill``, the vocabulary (``vocab_size`` where the caller knows it), exact dtypes and
+        shapes, unique tokens and every id inside the vocabulary; a file past ``max_bytes`` is
+        not read. Anything else is `MemoryFileError`; an `OSError` while reading propagates."""
+        from safetensors import SafetensorError
+        from safetensors.numpy import load
 
+        name = os.fspath(path)
+        if not os.path.isfile(name):
+            raise MemoryFileError(f"adjacency matrix not found: {name}")
+        if os.stat(name).st_size > max_bytes:
+            raise MemoryFileError(f"adjacency matrix {name} is larger than {max_bytes} bytes")
+        with open(name, "rb") as handle:
+            data = handle.read(max_bytes + 1)
         try:
-            with safe_open(os.fspath(path), framework="numpy") as handle:
-                metadata = handle.metadata() or {}
-                tokens, rows = handle.get_tensor("tokens"), handle.get_tensor("rows")
-        except Exception as error:  # safetensors raises several types for damaged files
-            raise InputError(f"cannot read adjacency matrix {os.fspath(path)!r}: {error}") from None
+            metadata = safetensors_metadata(data)
+            tensors = load(data)
+            tokens, rows = tensors["tokens"], tensors["rows"]
+            size, k = parse_count(metadata["vocab_size"]), parse_count(metadata["k"])
+        except (SafetensorError, ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
+            raise MemoryFileError(f"cannot read adjacency matrix {name}: {error}") from None
         if metadata.get("format") != FORMAT or metadata.get("fill") != str(fill):
-            raise InputError(f"{os.fspath(path)!r} is not a {FORMAT} file with fill {fill}")
-        matrix = cls(int(metadata["vocab_size"]), int(metadata["k"]), fill=fill)
+            raise MemoryFileError(f"{name} is not a {FORMAT} file with fill {fill}")
+        if vocab_size is not None and size != vocab_size:
+            raise MemoryFileError(f"adjacency matrix {name} was made for a vocabulary of {size} tokens, not "
+                                  f"{vocab_size}")
+        if (not 0 < size <= 1 << 31 or not 0 < k <= 1024 or tokens.dtype != np.int64 or rows.dtype != np.int32
+                or tokens.ndim != 1 or rows.shape != (len(tokens), k) or len(tokens) > size
+                or len(np.unique(tokens)) != len(tokens)
+                or (tokens.size and (tokens.min() < 0 or tokens.max() >= size or rows.min() < min(0, fill)
+                                     or rows.max() >= size))):
+            raise MemoryFileError(f"adjacency matrix {name} holds inconsistent rows")
+        matrix = cls(size, k, fill=fill)
         matrix.table[tokens] = rows
         return matrix

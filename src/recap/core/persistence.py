@@ -26,7 +26,9 @@ memory only changes which drafts are proposed; verification keeps the output exa
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import secrets
 import threading
 from dataclasses import dataclass
@@ -61,10 +63,34 @@ def _checksum(*arrays: np.ndarray) -> str:
     return digest.hexdigest()
 
 
+TEMPORARY = re.compile(r"\..+\.tmp-(\d+)-\d+-[0-9a-f]{8}")
+"""`temporary_path`'s names: hidden (a leading dot, which no tenant's file name can have), the
+writer's process id after ``.tmp-``."""
+
+
 def temporary_path(path: str | os.PathLike) -> str:
     """A temporary name next to ``path`` that no other writer uses: process id, thread id and
-    a random part (two threads of one process saving the same file must not share it)."""
-    return f"{os.fspath(path)}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}"
+    a random part (two threads of one process saving the same file must not share it), hidden
+    so that no file a user names (a tenant ``x.tmp-99999-a``) ever matches `TEMPORARY`."""
+    folder, name = os.path.split(os.fspath(path))
+    return os.path.join(folder, f".{name}.tmp-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
+
+
+def write_private(path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` to a new file readable by this user only (0600 whatever the umask: the
+    mode is given when the file is created) and fsync it."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def private_folder(folder: str | os.PathLike) -> None:
+    """Make ``folder`` (and its parents) and set it to 0700: only this user lists or opens what
+    is inside, whatever the umask or the folder's earlier mode."""
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    os.chmod(folder, 0o700)
 
 
 def remove_stale_temporaries(folder: str | os.PathLike) -> list[str]:
@@ -73,12 +99,11 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[str]:
     id is not running. Returns the names removed."""
     removed = []
     for entry in os.scandir(folder):
-        _, marker, rest = entry.name.rpartition(".tmp-")
-        pid = rest.split("-", 1)[0]
-        if not marker or not pid.isdigit() or not entry.is_file(follow_symlinks=False):
+        match = TEMPORARY.fullmatch(entry.name)
+        if match is None or not entry.is_file(follow_symlinks=False):
             continue
         try:
-            os.kill(int(pid), 0)
+            os.kill(int(match.group(1)), 0)
             continue  # its writer may still be saving
         except ProcessLookupError:
             pass
@@ -102,7 +127,7 @@ def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray
     of tokens (tokens, requests: the bounded memory's eviction order) atomically and durably. ``metadata``:
     extra string fields stored with the file's own (which it cannot replace); the scaled
     server keeps a tenant's save version and request count there."""
-    from safetensors.numpy import save_file
+    from safetensors.numpy import save
 
     trials, accepts, expected = (*calibration, np.zeros(0))[:3] if calibration is not None else (np.zeros(0),) * 3
     expected = np.zeros(0) if expected is None else expected
@@ -125,9 +150,7 @@ def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray
     path = os.fspath(path)
     temporary = temporary_path(path)
     try:
-        save_file(tensors, temporary, metadata=metadata)
-        with open(temporary, "rb+") as handle:
-            os.fsync(handle.fileno())
+        write_private(temporary, save(tensors, metadata=metadata))
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):
@@ -169,20 +192,38 @@ class TokenMemoryFile:
         memory.load_unigram(self.keys, self.ids, self.probs)
 
 
-def read_token_memory(path: str | os.PathLike) -> TokenMemoryFile:
+MAX_FILE_BYTES = 1 << 30
+"""The largest memory file `read_token_memory` reads by default (its size is checked before
+its body is read): a file past it is refused, never loaded into memory."""
+MAX_COUNT = 1 << 53
+"""Counters (requests seen, calibration trials) above this are not from a real stream; past
+2**53 a float64 count stops counting, past 2**63 an int64 overflows at the next save."""
+DTYPES = {"keys": np.int64, "ids": np.int64, "probs": np.float32, "store": np.int64,
+          "calibration_trials": np.float64, "calibration_accepts": np.float64, "seen_tokens": np.int64,
+          "seen_requests": np.int64, "calibration_expected": np.float64}
+"""The dtype each tensor is written with, and must be read with: a float where an id belongs
+(NaN compares false with every bound) is refused rather than cast."""
+
+
+def read_token_memory(path: str | os.PathLike, max_bytes: int = MAX_FILE_BYTES) -> TokenMemoryFile:
+    """A validated token-memory file. Raises `MemoryFileError` for a file that cannot be used
+    (missing, past ``max_bytes``, not this format, corrupted, inconsistent); an `OSError`
+    while reading (EMFILE, EIO, ...) propagates as it is: the file may be fine, try again."""
     from safetensors import SafetensorError
-    from safetensors.numpy import load_file
+    from safetensors.numpy import load
 
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise MemoryFileError(f"memory file not found: {path}")
+    size = os.stat(path).st_size
+    if size > max_bytes:
+        raise MemoryFileError(f"memory file {path} is {size} bytes, more than the {max_bytes} one may take")
+    with open(path, "rb") as handle:
+        data = handle.read(max_bytes + 1)
     try:
-        from safetensors import safe_open
-
-        with safe_open(path, framework="numpy") as handle:
-            metadata = handle.metadata() or {}
-        tensors = load_file(path)
-    except (SafetensorError, OSError, ValueError) as error:
+        metadata = safetensors_metadata(data)
+        tensors = load(data)
+    except (SafetensorError, ValueError, KeyError, TypeError, UnicodeDecodeError) as error:
         raise MemoryFileError(f"memory file {path} is truncated or not a RECAP memory file ({error})") from None
     if metadata.get("format") != FORMAT:
         raise MemoryFileError(f"{path} is not a RECAP token-memory file")
@@ -193,9 +234,12 @@ def read_token_memory(path: str | os.PathLike) -> TokenMemoryFile:
     names = ("keys", "ids", "probs", *_TENSORS[version])
     try:
         arrays = [tensors[name] for name in names]
-        vocab_size = int(metadata["vocab_size"])
+        vocab_size = parse_count(metadata["vocab_size"])
     except (KeyError, ValueError):
         raise MemoryFileError(f"memory file {path} is missing fields") from None
+    wrong = [name for name, array in zip(names, arrays) if array.dtype != DTYPES[name]]
+    if wrong:
+        raise MemoryFileError(f"memory file {path} holds {', '.join(wrong)} in the wrong dtype")
     if _checksum(*arrays) != metadata.get("sha256"):
         raise MemoryFileError(f"memory file {path} is corrupted (checksum mismatch)")
     keys, ids, probs = arrays[:3]
@@ -204,6 +248,7 @@ def read_token_memory(path: str | os.PathLike) -> TokenMemoryFile:
     calibration = (arrays[4], arrays[5], expected) if version != "1" and arrays[4].size else None
     last_seen = (arrays[6], arrays[7]) if version not in ("1", "2") else None
     if (keys.ndim != 1 or ids.shape != probs.shape or ids.ndim != 2 or len(keys) != len(ids)
+            or not 0 < vocab_size <= 1 << 31 or len(keys) > vocab_size or len(np.unique(keys)) != len(keys)
             or (keys.size and (keys.min() < 0 or keys.max() >= vocab_size))
             or (ids.size and (ids.min() < 0 or ids.max() >= vocab_size))
             or not np.isfinite(probs).all() or (probs < 0).any()):
@@ -213,6 +258,7 @@ def read_token_memory(path: str | os.PathLike) -> TokenMemoryFile:
     if calibration is not None:
         trials, accepts, expected = calibration
         if (trials.shape != accepts.shape or trials.ndim != 1 or not np.isfinite(trials).all()
+                or (trials.size and trials.max() > MAX_COUNT)
                 or not np.isfinite(accepts).all() or (accepts < 0).any() or (accepts > trials).any()
                 or (expected is not None and (expected.shape != trials.shape or not np.isfinite(expected).all()
                                               or (expected < 0).any() or (expected > trials).any()))):
@@ -220,7 +266,32 @@ def read_token_memory(path: str | os.PathLike) -> TokenMemoryFile:
     if last_seen is not None:
         tokens, requests = last_seen
         if (tokens.ndim != 1 or tokens.shape != requests.shape
-                or (tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size or requests.min() < 0))):
+                or len(np.unique(tokens)) != len(tokens)
+                or (tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size or requests.min() < 0
+                                     or requests.max() > MAX_COUNT))):
             raise MemoryFileError(f"memory file {path} holds inconsistent token recency")
     return TokenMemoryFile(path=path, vocab_size=vocab_size, keys=keys, ids=ids, probs=probs, store=store,
                            calibration=calibration, last_seen=last_seen)
+
+
+def safetensors_metadata(data: bytes) -> dict[str, str]:
+    """The string metadata of a safetensors file held in ``data`` (its header: an 8-byte
+    little-endian length, then JSON whose ``__metadata__`` holds them)."""
+    if len(data) < 8:
+        raise ValueError("shorter than a safetensors header")
+    length = int.from_bytes(data[:8], "little")
+    if length > len(data) - 8:
+        raise ValueError("header longer than the file")
+    header = json.loads(data[8:8 + length])
+    metadata = header.get("__metadata__", {}) if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or not all(isinstance(value, str) for value in metadata.values()):
+        raise ValueError("metadata that is not strings")
+    return metadata
+
+
+def parse_count(text: str) -> int:
+    """A decimal count written by this module: ASCII digits only (``int`` also takes ``"²"``'s
+    kin, spaces and underscores)."""
+    if not (text.isascii() and text.isdigit() and len(text) <= 19):
+        raise ValueError(f"not a count: {text[:20]!r}")
+    return int(text)

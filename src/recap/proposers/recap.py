@@ -584,15 +584,15 @@ class RecapProposer(BaseProposer):
                           store=np.asarray(self.store.flat(), dtype=np.int64), calibration=calibration,
                           last_seen=(seen[:, 0], seen[:, 1]), metadata=metadata)
 
-    def load_memory(self, path: str | PathLike) -> None:
+    def load_memory(self, path: str | PathLike, vocab_size: int | None = None) -> None:
         """Read and check a memory file now: every error (damage, rows wider than ``top_k``,
-        calibration counts for other cells) surfaces here as `MemoryFileError`, before the
-        stream changes; it is installed at the next request, once the target's vocabulary is
-        known and checked."""
+        calibration counts for other cells, another vocabulary than ``vocab_size`` where the
+        caller knows it) surfaces here as `MemoryFileError`, before the stream changes; it is
+        installed at the next request, once the target's vocabulary is known and checked."""
         from recap.core.persistence import read_token_memory
 
         saved = read_token_memory(path)
-        self._validate(saved, None)
+        self._validate(saved, vocab_size)
         self._pending_memory = saved
 
     def _validate(self, saved, vocab_size: int | None) -> None:

@@ -97,6 +97,8 @@ class TokenRecyclingProposer(RecyclingProposer):
             raise InputError("nothing to save: the stream has not seen a request yet")
         self.matrix.save(path, metadata=metadata)
 
-    def load_memory(self, path: str | PathLike) -> None:
-        """Continue the stream saved by `save_memory` (the vocabulary must match the target's)."""
-        self.matrix = AdjacencyMatrix.load(path, fill=0)
+    def load_memory(self, path: str | PathLike, vocab_size: int | None = None) -> None:
+        """Continue the stream saved by `save_memory` (the vocabulary must match the target's:
+        ``vocab_size`` where the caller knows it); a file that fails `AdjacencyMatrix.load`'s
+        checks is `MemoryFileError` and changes nothing."""
+        self.matrix = AdjacencyMatrix.load(path, fill=0, vocab_size=vocab_size)

@@ -16,6 +16,7 @@ import ipaddress
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -51,7 +52,14 @@ from recap.serve.chat import (
 )
 from recap.serve.engine import Engine, Job, QueueFull, Unavailable
 from recap.serve.metrics import Metrics
-from recap.serve.tenants import TenantStreams, tenant_for, valid_tenant_name
+from recap.serve.tenants import (
+    MIN_KEY_LENGTH,
+    TenantStreams,
+    distinct_tenants,
+    strong_key,
+    tenant_for,
+    valid_tenant_name,
+)
 from recap.target import ModelInputs, TargetModel
 
 log = logging.getLogger("recap.serve")
@@ -78,6 +86,10 @@ class ServerConfig:
     shared_budget: bool = True
     """Cost-aware drafters share one verification budget per step by expected gain; False:
     each request sizes its own tree as it would alone."""
+    tenant_share: float = 0.5
+    """With several tenants (API keys), the share of the server's request slots (its queue plus
+    its batch lanes) one tenant may hold at once; past it that tenant gets 429
+    ``tenant_share_exceeded`` while the others are still admitted. 1: no per-tenant limit."""
     max_tokens_limit: int = 1024
     request_timeout: float = 300.0
     max_body_bytes: int = 16 * 1024 * 1024
@@ -95,12 +107,16 @@ def _checked(config: ServerConfig) -> ImagePolicy:
         if not isinstance(config.api_keys, dict) or not config.api_keys:
             raise InputError("api_keys must map at least one key to a tenant (None: a keyless loopback server)")
         for key, tenant in config.api_keys.items():
-            if not isinstance(key, str) or len(key) < 8 or any(c.isspace() for c in key):
-                raise InputError(f"the key of tenant {str(tenant)[:64]!r} must be a string of at least 8 "
-                                 "characters without spaces")
+            if not strong_key(key):
+                raise InputError(f"the key of tenant {str(tenant)[:64]!r} must be a string of at least "
+                                 f"{MIN_KEY_LENGTH} printable ASCII characters without spaces")
             if not valid_tenant_name(tenant):
                 raise InputError(f"invalid tenant name {str(tenant)[:64]!r}: letters, digits and '_.-', at most 64, "
                                  "starting with a letter or digit")
+        distinct_tenants(list(dict.fromkeys(config.api_keys.values())))
+    if isinstance(config.tenant_share, bool) or not isinstance(config.tenant_share, (int, float)) or \
+            not 0 < config.tenant_share <= 1:
+        raise InputError(f"tenant_share must be a number in (0, 1], got {config.tenant_share!r}")
     if config.max_batch is not None and (isinstance(config.max_batch, bool) or not isinstance(config.max_batch, int)
                                          or config.max_batch < 1):
         raise InputError(f"max_batch must be a positive integer, got {config.max_batch!r}")
@@ -136,8 +152,8 @@ def _split_authority(authority: str, default_port: int) -> tuple[str, int | None
     (user info, a path or spaces are never in a browser's Host or Origin: refused)."""
     if not authority or any(c in authority for c in "@/?#\\ \t"):
         return "", None
-    parts = urlsplit(f"//{authority}")
-    try:
+    try:  # urlsplit itself raises on a malformed IPv6 literal ("[", "[::1")
+        parts = urlsplit(f"//{authority}")
         port = parts.port
     except ValueError:
         return "", None
@@ -179,7 +195,10 @@ class LoopbackGuard:
         if len(origins) > 1:
             return "requests from other web origins are refused"
         if origins:
-            origin = urlsplit(origins[0].decode("latin-1"))
+            try:
+                origin = urlsplit(origins[0].decode("latin-1"))
+            except ValueError:  # "http://[": a malformed IPv6 literal
+                return "requests from other web origins are refused"
             if origin.scheme not in ("http", "https") or origin.path or origin.query:
                 return "requests from other web origins are refused"
             name, origin_port = _split_authority(origin.netloc, 443 if origin.scheme == "https" else 80)
@@ -192,20 +211,39 @@ class LoopbackGuard:
 class Admission:
     """Queue slots counted from admission, so reading, parsing, image decoding and tokenising
     are bounded by ``max_queue`` too: a request holds a slot from before its body is read until
-    the decoder's queue takes it (engine.depth) or it is refused. Used from the event loop only."""
+    the decoder's queue takes it (engine.depth) or it is refused. And each tenant's share: with
+    ``tenant_limit``, a tenant holds at most that many requests at once (from admission until
+    its answer or refusal: waiting or decoding), so one key cannot take every slot. `enter` and
+    `leave` run on the event loop; `release` also on the decoder's thread."""
 
-    def __init__(self, engine: Engine, max_queue: int):
-        self.engine, self.max_queue = engine, max_queue
+    def __init__(self, engine: Engine, max_queue: int, tenant_limit: int | None = None):
+        self.engine, self.max_queue, self.tenant_limit = engine, max_queue, tenant_limit
         self.preparing = 0
+        self.held: dict[str, int] = {}
+        """Requests of each tenant admitted and not yet answered."""
+        self._lock = threading.Lock()
 
-    def enter(self) -> bool:
+    def enter(self, tenant: str) -> str | None:
+        """Admit a request of ``tenant`` (None) or say why not: ``queue_full`` or ``tenant_share``."""
         if self.engine.depth + self.preparing >= self.max_queue:
-            return False
+            return "queue_full"
+        with self._lock:
+            if self.tenant_limit is not None and self.held.get(tenant, 0) >= self.tenant_limit:
+                return "tenant_share"
+            self.held[tenant] = self.held.get(tenant, 0) + 1
         self.preparing += 1
-        return True
+        return None
 
     def leave(self) -> None:
+        """The request left preparation (submitted to the decoder, or refused)."""
         self.preparing -= 1
+
+    def release(self, tenant: str) -> None:
+        """The request was answered or refused: its tenant's share is free again."""
+        with self._lock:
+            self.held[tenant] -= 1
+            if not self.held[tenant]:
+                del self.held[tenant]
 
 
 async def read_body(request: Request, limit: int) -> bytearray:
@@ -255,6 +293,7 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
         return message
 
     def on_finish(job: Job, event: dict) -> None:
+        admission.release(job.tenant)
         if event["type"] == "done":
             metrics.requests.labels("ok").inc()
             metrics.completion_tokens.inc(event["usage"]["completion_tokens"])
@@ -265,13 +304,14 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
             metrics.latency.observe(time.monotonic() - job.submitted)
         else:
             metrics.requests.labels(str(event.get("status", 500))).inc()
+            metrics.abandoned_tokens.inc(event.get("completion_tokens", 0))
 
     if make_engine is None:
         engine = Engine(target, tenants, max_queue=config.max_queue, max_batch=config.max_batch,
                         shared_budget=config.shared_budget, on_finish=on_finish)
     else:
         engine = make_engine(on_finish=on_finish)
-    admission = Admission(engine, config.max_queue)
+    admission = Admission(engine, config.max_queue, _tenant_limit(config, engine))
     preparing = asyncio.Semaphore(1)  # one JSON parse / image decode / tokenisation at a time: memory is bounded
 
     @asynccontextmanager
@@ -379,9 +419,15 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
         if not _json_content_type(request):
             raise ApiError(415, "the request body must be JSON (Content-Type: application/json)",
                            code="unsupported_media_type")
-        if not admission.enter():
+        refused = admission.enter(tenant)
+        if refused == "tenant_share":
+            raise ApiError(429, f"this key already has {admission.tenant_limit} requests in the server, its share; "
+                                "retry when one is answered", type="rate_limit_error", code="tenant_share_exceeded",
+                           headers={"Retry-After": "1"})
+        if refused is not None:
             raise ApiError(429, "the server is busy: its queue is full; retry later", type="rate_limit_error",
                            code="queue_full", headers={"Retry-After": "1"})
+        submitted = False
         try:
             reading = asyncio.ensure_future(read_body(request, config.max_body_bytes))
             body_deadline = max(deadline, arrived + MIN_BODY_SECONDS)
@@ -422,6 +468,7 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
                       deadline=deadline, submitted=arrived)
             try:
                 engine.submit(job)
+                submitted = True
             except Unavailable as error:
                 raise ApiError(503, str(error), type="server_error", code=error.code) from None
             except QueueFull as error:
@@ -429,6 +476,8 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
                                code="queue_full", headers={"Retry-After": "1"}) from None
         finally:
             admission.leave()  # the job now counts in engine.depth, or was refused
+            if not submitted:
+                admission.release(tenant)
         request_id = completion_id()
         if chat.stream:
             return StreamingResponse(_stream(request_id, job, events, chat.include_usage, arrived),
@@ -436,14 +485,10 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
         return await _collect(request, request_id, job, events)
 
     async def _collect(request: Request, request_id: str, job: Job, events: asyncio.Queue) -> JSONResponse:
+        watcher = asyncio.ensure_future(_cancel_on_disconnect(request, job))
         try:
             while True:
-                try:
-                    event = await asyncio.wait_for(events.get(), timeout=0.25)
-                except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        job.cancel()
-                    continue
+                event = await events.get()
                 if event["type"] == "done":
                     return JSONResponse(completion(request_id, config.model_name, event["text"],
                                                    event["stop_reason"], event["usage"], event["recap"]))
@@ -451,6 +496,7 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
                     raise ApiError(event.get("status", 500), redact(event["message"]),
                                    type="server_error" if event.get("status", 500) >= 500 else "request_error")
         finally:
+            watcher.cancel()
             job.cancel()  # a no-op once the job is done; frees the decoder if the client went away
 
     async def _stream(request_id: str, job: Job, events: asyncio.Queue, include_usage: bool, arrived: float):
@@ -483,6 +529,29 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
             job.cancel()  # the client went away mid-stream: the decoder stops at its next step
 
     return app
+
+
+def _tenant_limit(config: ServerConfig, engine: Any) -> int | None:
+    """Requests one tenant may hold at once: ``tenant_share`` of the queue and the batch's
+    lanes together, where the server has several tenants (None: no limit)."""
+    tenants = set((config.api_keys or {}).values())
+    if len(tenants) < 2 or config.tenant_share >= 1:
+        return None
+    lanes = getattr(engine, "max_batch", None) or engine.batch.max_batch
+    return max(1, int(config.tenant_share * (config.max_queue + lanes)))
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    """Cancel ``job`` as soon as its client hangs up: the server's next ASGI message for a
+    request whose body was read is the disconnect (uvicorn sends it when the connection
+    closes, or once the response is complete: the job is done then, and cancelling it is a
+    no-op). A non-streamed request sees no write fail, so without this it would decode to
+    its end for no one."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            job.cancel()
+            return
 
 
 def _longest_token(target: TargetModel) -> int:

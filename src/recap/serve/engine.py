@@ -15,9 +15,9 @@ on forks of its stream (`Proposer.fork_request`).
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +26,7 @@ import numpy as np
 
 from recap.batching import DEFAULT_MAX_BATCH, Batch, BatchEvent
 from recap.decoding import Decoding
-from recap.serve.tenants import TenantStreams
+from recap.serve.tenants import MemoryUnavailable, TenantStreams
 from recap.target import ModelInputs, Target
 from recap.target.sampling import Sampling
 
@@ -234,9 +234,11 @@ class Engine:
         self.max_queue = max_queue
         self.on_finish = on_finish
         self.batch = Batch(max_batch=max_batch or default_max_batch(target), shared_budget=shared_budget)
-        self._queue: queue.Queue[Job | None] = queue.Queue()
-        self._waiting = 0
+        self._jobs: deque[Job] = deque()
+        """Submitted jobs not yet in the batch, oldest first (`_next_job` picks among them)."""
         self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._stopping = False
         self._accepting = True
         self._active: dict[Decoding, _Active] = {}
         self._in_flight: dict[str, int] = {}
@@ -248,7 +250,7 @@ class Engine:
     @property
     def depth(self) -> int:
         """Requests waiting: queued, or taken but not yet prefilled (running ones not counted)."""
-        return self._waiting + len(self.batch.waiting)
+        return len(self._jobs) + len(self.batch.waiting)
 
     @property
     def busy(self) -> bool:
@@ -261,25 +263,20 @@ class Engine:
                 raise ShuttingDown("the server is shutting down")
             if self.depth >= self.max_queue:
                 raise QueueFull(f"{self.depth} requests are already waiting")
-            self._waiting += 1
-        self._queue.put(job)
+            self._jobs.append(job)
+            self._wake.notify()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Refuse new jobs, cancel the waiting ones, let the running ones finish (or cancel
         them after ``timeout``), then save every tenant's memory."""
         with self._lock:
             self._accepting = False
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.cancel()
-                self._finish(job, {"type": "error", "message": "the server is shutting down", "status": 503})
-                with self._lock:
-                    self._waiting -= 1
-        self._queue.put(None)
+            waiting, self._jobs = list(self._jobs), deque()
+            self._stopping = True
+            self._wake.notify()
+        for job in waiting:
+            job.cancel()
+            self._finish(job, {"type": "error", "message": "the server is shutting down", "status": 503})
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("the requests in flight did not finish within %.0f s; cancelling them", timeout)
@@ -287,6 +284,8 @@ class Engine:
             self._thread.join(timeout)
         # a decoder still running holds its tenants' locks: those tenants keep their last saved file
         self.tenants.save_all(timeout=0.0 if self._thread.is_alive() else None)
+        if not self._thread.is_alive():  # a decoder still running may save again: keep the folder
+            self.tenants.close()
 
     # ------------------------------------------------------------------ worker
     _cancel_current = False
@@ -312,27 +311,42 @@ class Engine:
 
     def _take(self, block: bool) -> bool:
         """Move queued jobs into the batch while it has room (waiting for one when ``block``),
-        so a job's stream (or fork of it) is taken when it is about to run; True on the
-        shutdown sentinel."""
+        so a job's stream (or fork of it) is taken when it is about to run; True on
+        shutdown, once nothing is left to take."""
         while block or len(self.batch) < self.batch.max_batch:
-            try:
-                job = self._queue.get(timeout=None) if block else self._queue.get_nowait()
-            except queue.Empty:
-                return False
-            block = False
-            if job is None:
-                return True
             with self._lock:
-                self._waiting -= 1
+                while block and not self._jobs and not self._stopping:
+                    self._wake.wait()
+                if not self._jobs:
+                    return self._stopping
+                job = self._next_job()
+            block = False
             if job.cancelled.is_set():
                 self._finish(job, {"type": "error", "message": "cancelled before it started", "status": 499})
                 continue
+            if time.monotonic() > job.deadline:  # it waited past its time limit: no lane for it
+                self._finish(job, {"type": "error", "message": "the request ran past the server's time limit",
+                                   "status": 504})
+                continue
             try:
                 self._admit(job)
+            except MemoryUnavailable as error:
+                log.warning("%s", error)
+                self._finish(job, {"type": "error", "status": 503,
+                                   "message": "this tenant's memory could not be read just now; retry"})
             except Exception:  # noqa: BLE001
                 log.exception("request failed")
                 self._finish(job, {"type": "error", "message": "internal server error", "status": 500})
         return False
+
+    def _next_job(self) -> Job:
+        """The next job to run (called with the lock held): the oldest of the tenant with the
+        fewest requests in the batch, so a tenant that floods the queue takes every free lane
+        only while no one else is waiting."""
+        best = min(range(len(self._jobs)), key=lambda i: (self._in_flight.get(self._jobs[i].tenant, 0), i))
+        job = self._jobs[best]
+        del self._jobs[best]
+        return job
 
     def _admit(self, job: Job) -> None:
         """Queue the job's decoding in the batch, on a lane of its own, with its tenant's stream
@@ -393,6 +407,7 @@ class Engine:
                 event = {"type": "error", "message": "the request ran past the server's time limit", "status": 504}
             else:
                 continue
+            event["completion_tokens"] = len(active.decoding.result.tokens)  # work no one will read
             self.batch.cancel(active.decoding)
             self._end(active, event)
 

@@ -15,6 +15,8 @@ class Metrics:
         r = self.registry
         self.requests = Counter("recap_requests", "Chat completion requests by outcome", ["status"], registry=r)
         self.completion_tokens = Counter("recap_completion_tokens", "Tokens generated", registry=r)
+        self.abandoned_tokens = Counter("recap_abandoned_tokens", "Tokens generated for requests that ended "
+                                        "without an answer (cancelled, timed out, failed)", registry=r)
         self.prompt_tokens = Counter("recap_prompt_tokens", "Prompt tokens processed", registry=r)
         self.drafted_tokens = Counter("recap_drafted_tokens", "Draft tokens verified", registry=r)
         self.accepted_tokens = Counter("recap_accepted_tokens", "Draft tokens accepted", registry=r)

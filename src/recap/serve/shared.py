@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from recap.core.persistence import TEMPORARY, parse_count, private_folder
 from recap.errors import InputError
 from recap.serve.engine import Engine, Job, QueueFull
 from recap.serve.tenants import TenantStreams
@@ -78,15 +79,17 @@ def file_version(metadata: dict[str, str] | None) -> int:
     """A file's save version: 0 without a file or without the field, -1 when the field is not a number."""
     if metadata is None:
         return 0
-    value = metadata.get(VERSION_KEY, "0")
-    return int(value) if value.isdigit() else -1
+    try:
+        return parse_count(metadata.get(VERSION_KEY, "0"))
+    except ValueError:  # "²" passes isdigit() and fails int(): not a version this module wrote
+        return -1
 
 
 def remove_old_temporaries(folder: str | os.PathLike, age_s: float = STALE_TEMPORARY_S) -> list[str]:
     """Delete save temporaries (``*.tmp-*``) last changed more than ``age_s`` seconds ago."""
     removed, now = [], time.time()
     for entry in os.scandir(folder):
-        if ".tmp-" not in entry.name or not entry.is_file(follow_symlinks=False):
+        if TEMPORARY.fullmatch(entry.name) is None or not entry.is_file(follow_symlinks=False):
             continue
         try:
             if now - entry.stat(follow_symlinks=False).st_mtime > age_s:
@@ -122,7 +125,7 @@ class SharedTenantStreams(TenantStreams):
         super().__init__(method, vocab_size, None, memory_rows)
         self.memory_dir = Path(memory_dir) if memory_dir is not None else None
         if self.memory_dir is not None:
-            self.memory_dir.mkdir(parents=True, exist_ok=True)
+            private_folder(self.memory_dir)
             stale = remove_old_temporaries(self.memory_dir)
             if stale:
                 log.warning("removed %d temporary file(s) of saves interrupted long ago", len(stale))
@@ -281,7 +284,10 @@ class SharedTenantStreams(TenantStreams):
             metadata, version = None, 0
         requests = (metadata or {}).get(REQUESTS_KEY, "0")
         self.versions[tenant] = max(version, 0)
-        self.requests[tenant] = int(requests) if requests.isdigit() else 0
+        try:
+            self.requests[tenant] = parse_count(requests)
+        except ValueError:
+            self.requests[tenant] = 0
 
     def save_request(self, tenant: str) -> bool:
         """Count the request and save the stream as the next version, with the lock held."""

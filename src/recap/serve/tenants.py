@@ -10,16 +10,19 @@ RECAP's token memory is bounded per tenant (``memory_rows``; least recently seen
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import hmac
 import logging
+import os
 import re
 import secrets
 import threading
 import time
 from pathlib import Path
 
-from recap.core.persistence import MemoryFileError, read_token_memory, remove_stale_temporaries
-from recap.errors import InputError
+from recap.core.persistence import MemoryFileError, private_folder, remove_stale_temporaries
+from recap.errors import InputError, RecapError
 from recap.proposers import Proposer, make_proposer
 
 log = logging.getLogger("recap.serve")
@@ -27,12 +30,38 @@ TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 """A tenant name names a file (``<tenant>.safetensors``): letters, digits and ``_.-``, at most
 64, starting with a letter or digit, so it can never be ``..``, hidden, a path or an option."""
 DEFAULT_TENANT = "default"
+MIN_KEY_LENGTH = 16
+"""API keys are at least this long (``secrets.token_urlsafe(24)`` gives 32 characters)."""
+
+
+class MemoryUnavailable(RecapError):
+    """A tenant's memory file could not be read for a reason that may pass (too many open
+    files, an I/O error): the request is refused (503) and the file left as it is, rather
+    than moved aside as unusable and overwritten by a cold stream."""
 
 
 def valid_tenant_name(name: object) -> bool:
     """Whether ``name`` may be a tenant (checked wherever names enter: keys file, ServerConfig,
     and again before a name becomes a path)."""
     return isinstance(name, str) and TENANT_NAME.fullmatch(name) is not None
+
+
+def distinct_tenants(names: list[str]) -> None:
+    """Refuse tenant names that differ only in case: on a case-insensitive file system
+    (macOS, Windows) ``Alice`` and ``alice`` would share one memory file."""
+    seen: dict[str, str] = {}
+    for name in names:
+        other = seen.setdefault(name.casefold(), name)
+        if other != name:
+            raise InputError(f"tenants {other!r} and {name!r} differ only in case: their memory files would be "
+                             "one file on a case-insensitive file system")
+
+
+def strong_key(key: object) -> bool:
+    """Whether ``key`` may be an API key: a string of at least `MIN_KEY_LENGTH` printable,
+    non-space ASCII characters."""
+    return (isinstance(key, str) and len(key) >= MIN_KEY_LENGTH and key.isascii() and key.isprintable()
+            and not any(c.isspace() for c in key))
 
 
 def read_api_keys(path: str | Path) -> dict[str, str]:
@@ -47,14 +76,15 @@ def read_api_keys(path: str | Path) -> dict[str, str]:
         if not line:
             continue
         fields = line.split()
-        if len(fields) != 2 or not valid_tenant_name(fields[0]) or len(fields[1]) < 8:
+        if len(fields) != 2 or not valid_tenant_name(fields[0]) or not strong_key(fields[1]):
             raise InputError(f"{path}, line {number}: expected '<tenant> <key>' (tenant: letters, digits, '_.-'; "
-                             "key: at least 8 characters)")
+                             f"key: at least {MIN_KEY_LENGTH} printable ASCII characters)")
         if fields[1] in keys:
             raise InputError(f"{path}, line {number}: this key is already given to another tenant")
         keys[fields[1]] = fields[0]
     if not keys:
         raise InputError(f"the API keys file {path} holds no keys")
+    distinct_tenants(list(dict.fromkeys(keys.values())))
     return keys
 
 
@@ -66,12 +96,28 @@ def tenant_for(keys: dict[str, str] | None, authorization: str | None) -> str | 
     scheme, _, credentials = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not credentials.strip():  # the scheme is case-insensitive (RFC 9110)
         return None
-    given = credentials.strip().encode()
+    given = hashlib.sha256(credentials.strip().encode()).digest()  # equal lengths: a key's length never leaks
     tenant = None
     for key, name in keys.items():
-        if hmac.compare_digest(key.encode(), given):
+        if hmac.compare_digest(hashlib.sha256(key.encode()).digest(), given):
             tenant = name
     return tenant
+
+
+def lock_folder(folder: Path) -> int:
+    """An exclusive lock on ``folder`` for this server's life (``flock`` on the folder itself:
+    released when the process dies, however it dies), so a second single-process server on the
+    same memory folder is refused instead of silently losing the first one's updates (the
+    replicas of ``--replicas`` share a folder through per-tenant file locks instead: `shared`).
+    Returns the descriptor that holds it."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(descriptor)
+        raise InputError(f"another server is using the memory folder {folder.name}: two servers on one folder "
+                         "would lose each other's updates (use --replicas to share one)") from None
+    return descriptor
 
 
 class TenantStreams:
@@ -83,14 +129,25 @@ class TenantStreams:
         self.memory_rows = memory_rows
         self.vocab_size = vocab_size
         self.memory_dir = Path(memory_dir) if memory_dir is not None else None
+        self._folder_lock: int | None = None
         if self.memory_dir is not None:
-            self.memory_dir.mkdir(parents=True, exist_ok=True)
+            private_folder(self.memory_dir)  # 0700: no other local user lists the tenants or reads their files
+            self._folder_lock = lock_folder(self.memory_dir)
             stale = remove_stale_temporaries(self.memory_dir)
             if stale:
                 log.warning("removed %d temporary file(s) of saves interrupted by a crash", len(stale))
         self.streams: dict[str, Proposer] = {}
         self._locks: dict[str, threading.RLock] = {}
         self._locks_guard = threading.Lock()
+
+    def close(self) -> None:
+        """Let another server have the memory folder (after the last save)."""
+        if self._folder_lock is not None:
+            os.close(self._folder_lock)
+            self._folder_lock = None
+
+    def __del__(self) -> None:
+        self.close()
 
     def lock(self, tenant: str) -> threading.RLock:
         """The tenant's lock: the decoder holds it while a request changes the stream and every
@@ -116,12 +173,11 @@ class TenantStreams:
                 else make_proposer(self.method)
             path = self.path(tenant)
             if path is not None and path.exists() and hasattr(proposer, "load_memory"):
-                try:
-                    saved = read_token_memory(path)
-                    if saved.vocab_size != self.vocab_size:
-                        raise MemoryFileError(f"made for a vocabulary of {saved.vocab_size} tokens, not "
-                                              f"{self.vocab_size}")
-                    proposer.load_memory(path)
+                try:  # each proposer checks its own format (dtypes, shapes, ids, counters, size)
+                    proposer.load_memory(path, vocab_size=self.vocab_size)
+                except OSError as error:  # the file may be fine: leave it, refuse this request
+                    raise MemoryUnavailable(f"tenant {tenant}: its memory file could not be read just now "
+                                            f"({error.strerror or error}); retry") from None
                 except MemoryFileError as error:
                     aside = path.with_name(f"{path.name}.unreadable-{time.strftime('%Y%m%dT%H%M%S')}"
                                            f"-{secrets.token_hex(3)}")  # two in one second keep both
