@@ -344,3 +344,38 @@ def test_a_second_server_on_one_memory_folder_is_refused(tmp_path):
             pytest.raises(InputError, match="another server is using the memory folder"):
         TenantStreams("recap", 1000, memory)
     TenantStreams("recap", 1000, memory).close()  # the first one let it go at shutdown
+
+
+def test_one_requests_failure_in_a_shared_step_fails_only_that_request(monkeypatch):
+    """bob's lane raises inside the batched forward from his third step on; alice, batched
+    with him, is answered as greedy decoding would, and bob gets a 500. Before: the shared
+    step's exception failed every request in the batch."""
+    import concurrent.futures
+
+    from recap.target.base import TargetModel
+
+    real, calls = TargetModel._fast_rows, {}
+
+    def failing(self, root, tree):
+        calls[self.prefix_scope] = calls.get(self.prefix_scope, 0) + 1
+        if self.prefix_scope == "bob" and calls["bob"] >= 3:
+            raise RuntimeError("a lane's own failure")
+        return real(self, root, tree)
+
+    monkeypatch.setattr(TargetModel, "_fast_rows", failing)
+    keys = {"key-of-alice-0000001": "alice", "key-of-bob-000000002": "bob"}
+    with serving("tiny-llama", method="ar", api_keys=keys, max_batch=4) as (url, app):
+        _slow_steps(app, 0.01)
+
+        def ask(key, prompt):
+            return httpx.post(url + CHAT, timeout=120, headers={"Authorization": f"Bearer {key}"},
+                              json={"model": "tiny-llama", "max_tokens": 24,
+                                    "messages": [{"role": "user", "content": prompt}]})
+
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            alice = pool.submit(ask, "key-of-alice-0000001", "Hello")
+            bob = pool.submit(ask, "key-of-bob-000000002", "Hello there")
+            alice, bob = alice.result(), bob.result()
+        assert alice.status_code == 200, alice.text
+        assert bob.status_code == 500 and calls["alice"] > 3  # they shared steps before bob's failed
+        assert alice.json()["choices"][0]["message"]["content"] == _greedy_text("tiny-llama", "Hello", None, 24)

@@ -32,7 +32,7 @@ from typing import Any
 
 from PIL import Image
 
-from recap.core import CostProfile
+from recap.core import CostProfile, DraftTree
 from recap.core.chooser import share_budget
 from recap.decoding import DecodeStep, Decoding, GenerationResult
 from recap.errors import InputError
@@ -134,12 +134,21 @@ class Batch:
         if not running and not chunks:
             return events
         t0 = time.perf_counter()
-        verified = verify_batch([d.target for d in running], [d.history[-1] for d in running], trees,
-                                [d.sampler for d in running], [len(d.result.tokens) for d in running],
-                                [(self.prefilling[d], rows) for d, rows in chunks])
+        try:
+            verified: list = verify_batch([d.target for d in running], [d.history[-1] for d in running], trees,
+                                          [d.sampler for d in running], [len(d.result.tokens) for d in running],
+                                          [(self.prefilling[d], rows) for d, rows in chunks])
+            shared = True
+        except Exception:
+            if len(running) + len(chunks) < 2:
+                raise  # its own forward: the caller ends it
+            verified, shared = self._verify_alone(running, trees, chunks, events), False
+            running = [d for d, v in zip(running, verified) if v is not None]
+            verified = [v for v in verified if v is not None]
+            chunks = [(d, rows) for d, rows in chunks if d in self.prefilling]
         seconds = time.perf_counter() - t0
         rows = sum(len(tree) + 1 for tree in trees) + prefill_rows
-        if self.cost is not None and running:
+        if self.cost is not None and running and shared:  # a step run lane by lane is not a step's cost
             self.cost.observe(rows, self._context(), seconds)
         self.steps += 1
         self.rows.append(rows)
@@ -161,6 +170,28 @@ class Batch:
                 del self.prefilling[decoding]
                 events.append(self._start(decoding, chunked))
         return events
+
+    def _verify_alone(self, running: Sequence[Decoding], trees: Sequence[DraftTree],
+                      chunks: Sequence[tuple[Decoding, int]], events: list[BatchEvent]) -> list:
+        """The shared forward failed: each request verified (or its prefill chunk run) alone, so
+        only the one whose own forward fails leaves, with its error, and the others go on with
+        the very logits the shared step would have given them (the kernels are
+        batch-invariant; nothing is committed until `Decoding.finish`). Returns each running
+        request's verification, None for one that failed."""
+        verified: list = []
+        for decoding, tree in zip(running, trees):
+            try:
+                verified += verify_batch([decoding.target], [decoding.history[-1]], [tree], [decoding.sampler],
+                                         [len(decoding.result.tokens)])
+            except Exception as error:  # noqa: BLE001 - one request's failure must not end the others
+                events.append(self._fail(decoding, error))
+                verified.append(None)
+        for decoding, rows in chunks:
+            try:
+                verify_batch([], [], [], [], [], [(self.prefilling[decoding], rows)])
+            except Exception as error:  # noqa: BLE001
+                events.append(self._fail(decoding, error))
+        return verified
 
     def _context(self) -> int:
         """Mean cached tokens of the running requests: the context the step's cost is read at."""
