@@ -1,5 +1,6 @@
-"""One model, continuous batching: a FIFO queue in front of a single decoding thread that
-steps a `recap.batching.Batch`.
+"""One model, continuous batching: a queue in front of a single decoding thread that steps a
+`recap.batching.Batch`; a free lane goes to the oldest job of the tenant with the fewest
+requests decoding (`Engine._next_job`), so no tenant's flood takes every lane from the others.
 
 The HTTP side submits a `Job` (already validated: its inputs prepared) and reads its events;
 the worker moves queued jobs into the batch (each on a lane of its own, prefilled one per
