@@ -99,7 +99,7 @@ def step_logits(decoder: Any, tree_size: int = 12) -> list[np.ndarray]:
     logits.append(decoder.forward(cache, prompt, np.arange(7, dtype=np.int64), chain_starts, chain_paths).copy())
     cache.commit(list(range(7)))
     parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, tree_size)]
-    tree = DraftTree(rng.integers(0, 1000, tree_size), parents)
+    tree = DraftTree(rng.integers(0, min(1000, decoder.args.vocab), tree_size), parents)
     starts, paths = tree.ancestor_lists()
     tokens, _ = tree.packed(42)
     depth = np.diff(starts) - 1

@@ -32,7 +32,8 @@ SHAPES = {
 @pytest.fixture(scope="module")
 def files(tmp_path_factory) -> dict[str, Path]:
     folder = tmp_path_factory.mktemp("gguf")
-    return {name: random_gguf.write(folder / f"random-{name}.gguf", shape, seed=7) for name, shape in SHAPES.items()}
+    return {name: random_gguf.write(folder / f"random-{name}.gguf", shape, seed=7, tokenizer="bytes")
+            for name, shape in SHAPES.items()}
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ Why: loading a GGUF without its float copy (`stored.model_from_file`) has to be 
 models of every supported family and on one far larger than this machine would want to
 de-quantise, and no such file can be had offline. These are real files in llama.cpp's
 layout (Llama q/k rows permuted as llama.cpp's converter stores them, norms and biases in
-float32, SmolLM2's tokenizer), so transformers' own GGUF loader reads them too: the
-comparison the tests make.
+float32, SmolLM2's tokenizer or a byte-level one), so transformers' own GGUF loader reads
+them too: the comparison the tests make.
 """
 
 from __future__ import annotations
@@ -53,15 +53,32 @@ def parameter_count(shape: Shape, vocab: int) -> int:
     return shape.layers * layer + vocab * shape.hidden * (1 if shape.tied else 2) + shape.hidden
 
 
-def write(path: str | os.PathLike, shape: Shape, *, seed: int = 0) -> Path:
-    """Write a random-weight model of ``shape`` to ``path``; returns the path."""
+TOKENIZERS = ("smollm2", "bytes")
+"""``smollm2``: SmolLM2's 49152-token BPE (a real vocabulary; every reader of the file then
+parses it, seconds each); ``bytes``: a byte-level BPE of 257 tokens and one merge, plus three
+special tokens (what tests load many times)."""
+
+
+def _byte_tokens() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 bytes, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = iter(range(256, 512))
+    return [chr(byte if byte in kept else next(moved)) for byte in range(256)]
+
+
+def write(path: str | os.PathLike, shape: Shape, *, seed: int = 0, tokenizer: str = "smollm2") -> Path:
+    """Write a random-weight model of ``shape`` with ``tokenizer`` (`TOKENIZERS`) to ``path``;
+    returns the path."""
     import gguf
 
     from recap.models import smollm2_gguf
 
+    if tokenizer not in TOKENIZERS:
+        raise ValueError(f"tokenizer must be one of {TOKENIZERS}, got {tokenizer!r}")
     path = Path(path)
-    tokenizer = gguf.GGUFReader(smollm2_gguf())
-    vocab = len(tokenizer.fields["tokenizer.ggml.tokens"].data)
+    source = gguf.GGUFReader(smollm2_gguf()) if tokenizer == "smollm2" else None
+    tokens = _byte_tokens() + ["Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = len(source.fields["tokenizer.ggml.tokens"].data) if source is not None else len(tokens)
     rng = np.random.default_rng(seed)
     arch = shape.architecture
     head_dim = shape.hidden // shape.heads
@@ -78,10 +95,19 @@ def write(path: str | os.PathLike, shape: Shape, *, seed: int = 0) -> Path:
     writer.add_vocab_size(vocab)
     if arch == "llama":
         writer.add_rope_dimension_count(head_dim)
-    for key, value in tokenizer.fields.items():
-        if key.startswith("tokenizer."):
-            types = value.types
-            writer.add_key_value(key, value.contents(), types[0], sub_type=types[-1] if len(types) > 1 else None)
+    if source is not None:
+        for key, value in source.fields.items():
+            if key.startswith("tokenizer."):
+                types = value.types
+                writer.add_key_value(key, value.contents(), types[0], sub_type=types[-1] if len(types) > 1 else None)
+    else:
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(tokens)
+        writer.add_token_types([1] * 257 + [3] * 3)
+        writer.add_token_merges(["Ġ t"])
+        writer.add_bos_token_id(257)
+        writer.add_eos_token_id(259)
 
     def blocks(name: str, role: str, rows: int, columns: int) -> None:
         kind = shape.format(role)
