@@ -497,8 +497,6 @@ def _record_decodes(monkeypatch, setting: str) -> list[tuple[str, str]]:
 
 
 def test_reference_stock_runs_ar_on_stock_kernels_and_counts_agreement_only(tmp_path, monkeypatch):
-    from recap.bench.report import load_run, write_outputs
-
     seen = _record_decodes(monkeypatch, "kernels")
     target = load_target("tiny-llama")
     assert target.kernels == "fast"
@@ -511,17 +509,25 @@ def test_reference_stock_runs_ar_on_stock_kernels_and_counts_agreement_only(tmp_
     rows = ResultsFile(out).load()
     assert {r["method"] for r in rows} == {"ar", "ar-stock", "pld"}
     # A stock output that differs from fast AR is an agreement figure, not a mismatch.
-    for row in rows:
-        if row["method"] == "ar-stock":
-            row["identical"], row["first_difference"] = False, 3
-    (out / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    rows, record = load_run(out)
-    write_outputs(out, rows, record)
-    summary = json.loads((out / "summary.json").read_text())
+    summary = _as_if_different(out, "ar-stock", first_difference=3)
     assert summary["mismatches"] == 0 and summary["methods"]["ar-stock"]["mismatches"] == 4
     report = (out / "report.md").read_text()
     assert "0 of 4 outputs identical" in report and "MISMATCH" not in report
     assert "fast kernels" in report
+
+
+def _as_if_different(out, method: str, first_difference: int) -> dict:
+    """Rewrite a finished run as if every ``method`` output had differed from AR's at
+    ``first_difference``, rebuild its outputs, and return the new summary."""
+    from recap.bench.report import load_run, write_outputs
+
+    rows = ResultsFile(out).load()
+    for row in rows:
+        if row["method"] == method:
+            row["identical"], row["first_difference"] = False, first_difference
+    (out / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    write_outputs(out, *load_run(out))
+    return json.loads((out / "summary.json").read_text())
 
 
 @pytest.mark.slow
@@ -529,7 +535,6 @@ def test_reference_float_pairs_ar_on_the_float_weights_and_counts_a_difference(t
     """``--reference float`` on a model read as GGUF blocks: ``ar-float`` decodes on the float
     weights (the target switches, then back), its outputs equal AR's on the blocks, and a
     difference would be a mismatch (it fails the run), unlike ``ar-stock``'s."""
-    from recap.bench.report import load_run, write_outputs
 
     seen = _record_decodes(monkeypatch, "weights")
     target = recap.load("smollm2-135m")  # its own: the float decoder it gains stays with it
@@ -543,11 +548,4 @@ def test_reference_float_pairs_ar_on_the_float_weights_and_counts_a_difference(t
     summary = json.loads((out / "summary.json").read_text())
     assert summary["mismatches"] == 0 and summary["methods"]["ar-float"]["units"] >= 1
     assert "`ar-float` is plain AR on the model's float weights" in (out / "report.md").read_text()
-    rows = ResultsFile(out).load()
-    for row in rows:
-        if row["method"] == "ar-float":
-            row["identical"], row["first_difference"] = False, 2
-    (out / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    rows, record = load_run(out)
-    write_outputs(out, rows, record)
-    assert json.loads((out / "summary.json").read_text())["mismatches"] >= 1
+    assert _as_if_different(out, "ar-float", first_difference=2)["mismatches"] >= 1

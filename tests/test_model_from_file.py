@@ -125,3 +125,18 @@ def test_smollm2_built_from_its_file_alone_decodes_as_the_builtin():
     builtin = recap.load("smollm2-135m")
     assert recap.generate(alone, prompt, method="ar", max_new_tokens=24).tokens == \
         recap.generate(builtin, prompt, method="ar", max_new_tokens=24).tokens
+
+
+@pytest.mark.parametrize("which", ["smollm2", "llama"])
+def test_float_bytes_counts_every_tensor_as_float32(which, files):
+    """What ``float_copy=None`` decides on: four bytes a weight, read from the header (SmolLM2's
+    Q4_1 / Q8_0 file through transformers' header reader, the random Llama's Q5_0 / Q5_1 blocks
+    through ``gguf``'s)."""
+    import gguf
+
+    from recap.models import smollm2_gguf
+    from recap.target.kernels.stored import float_bytes
+
+    path = smollm2_gguf() if which == "smollm2" else files["llama"]
+    expected = 4 * sum(int(tensor.n_elements) for tensor in gguf.GGUFReader(path).tensors)
+    assert float_bytes(path) == expected > 0

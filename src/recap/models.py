@@ -71,16 +71,21 @@ def load(model: str | os.PathLike | tuple[Any, Any], *, dtype: str = "float32", 
     path and ``weights="float"`` read, and what the blocks are checked against at load);
     ``None``: where twice its float bytes fit in the memory available, else the model is built
     without those copies and the fast kernels read the file alone (`stored.model_from_file`)."""
-    gguf_file = None
-    if device != "cpu" and float_copy is False:
+    from recap.target.kernels.stored import without_float_copy
+
+    def cpu_only() -> None:
         raise InputError(f"a model built without its float copy runs on the CPU kernels only, not {device}")
+
+    gguf_file = None
+    if device != "cpu" and float_copy is False:  # refused before the file is read
+        cpu_only()
     if isinstance(model, tuple):
         hf_model, processor = model
     else:
         hf_model, processor = load_pretrained(str(model), dtype=dtype, float_copy=float_copy, weights=weights)
         gguf_file = gguf_source(str(model))
-    if device != "cpu" and _without_float_copy(hf_model):
-        raise InputError(f"a model built without its float copy runs on the CPU kernels only, not {device}")
+    if device != "cpu" and without_float_copy(hf_model):  # float_copy=None chose it
+        cpu_only()
     hf_model = hf_model.to(device)
     return wrap(hf_model, processor, top_k=top_k, kernels=kernels, weights=weights, gguf_file=gguf_file)
 
@@ -149,12 +154,6 @@ def available_memory() -> int:
             line = next(line for line in meminfo if line.startswith("MemAvailable:"))
         return int(line.split()[1]) * 1024
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def _without_float_copy(model: torch.nn.Module) -> bool:
-    from recap.target.kernels.stored import unmade
-
-    return any(unmade(parameter) for parameter in model.parameters())
 
 
 def _load_folder(folder: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, Any]:

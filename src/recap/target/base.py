@@ -41,7 +41,7 @@ from recap.target.attention import compact_cache, tree_attention_mask, tree_posi
 from recap.target.image_attention import ImageAttentionCapture
 from recap.target.kernels.args import language_model
 from recap.target.kernels.prefix import PREFILL_CHUNK, ChunkedPrefill
-from recap.target.kernels.stored import unmade
+from recap.target.kernels.stored import without_float_copy
 from recap.target.protocol import BaseTarget
 from recap.target.sampling import Sampler
 
@@ -161,7 +161,7 @@ class TargetModel(BaseTarget):
         while they run, rebuilt for anything else."""
         self._decoders: dict[str, Any] = {}
         """Fast decoders by the weights they read, once `use_weights` switched between them."""
-        self.float_copy = not any(unmade(parameter) for parameter in model.parameters())
+        self.float_copy = not without_float_copy(model)
         """False for a model built from a GGUF file without its float weights (`recap.load`'s
         ``float_copy``): the fast kernels read the file; the floats exist only once rebuilt."""
         self.parameter_count = sum(parameter.numel() for parameter in model.parameters())
