@@ -168,6 +168,40 @@ def test_a_held_tenant_blocks_another_holder_until_saved_and_released(tmp_path):
     assert file_version(memory_metadata(tmp_path / "t.safetensors")) == 4
 
 
+def test_a_failed_save_makes_the_next_hold_reload_the_file(tmp_path, monkeypatch):
+    """A's save of version 1 fails (written by the saver thread after the decoder counted it);
+    B then saves its own version 1. A's next request must reload that file rather than take
+    its copy (also "version 1", but without B's request) for current and save over B's."""
+    import recap.core.persistence as persistence
+    from recap.serve.shared import STALE
+
+    target = load_target("tiny-llama")
+    a = SharedTenantStreams("recap", target.vocab_size, tmp_path, 4096)
+    b = SharedTenantStreams("recap", target.vocab_size, tmp_path, 4096)
+    engine_a, engine_b = Engine(target, a, max_batch=1), Engine(target, b, max_batch=1)
+    real, calls = persistence.write_private, []
+
+    def failing_once(filename, data):
+        calls.append(filename)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        real(filename, data)
+
+    monkeypatch.setattr(persistence, "write_private", failing_once)
+    try:
+        _request(engine_a, a, "t", PROMPTS[0])
+        assert a.versions["t"] == STALE and memory_metadata(tmp_path / "t.safetensors") is None
+        _request(engine_b, b, "t", PROMPTS[1])
+        assert file_version(memory_metadata(tmp_path / "t.safetensors")) == 1
+        _request(engine_a, a, "t", PROMPTS[2])
+        assert a.reloads == 1 and a.requests["t"] == 2
+        metadata = memory_metadata(tmp_path / "t.safetensors")
+        assert metadata[VERSION_KEY] == "2" and metadata[REQUESTS_KEY] == "2"  # B's request and A's second
+    finally:
+        engine_a.shutdown(5)
+        engine_b.shutdown(5)
+
+
 def test_old_temporaries_go_and_recent_ones_stay(tmp_path):
     import os
 

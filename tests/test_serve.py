@@ -240,10 +240,12 @@ def test_tenants_never_share_a_stream_or_a_memory_file(tmp_path):
         for prompt in ("Alice talks about apples.", "Alice talks about apples again."):
             alice.chat.completions.create(model="tiny-llama", max_tokens=12,
                                           messages=[{"role": "user", "content": prompt}])
+        assert app.state.tenants.flush(60)  # the saver thread has written alice's saves
         alice_file = (memory / "alice.safetensors").read_bytes()
         for prompt in ("Bob asks about boats.", "Bob asks about boats again."):
             bob.chat.completions.create(model="tiny-llama", max_tokens=12,
                                         messages=[{"role": "user", "content": prompt}])
+        assert app.state.tenants.flush(60)
         assert (memory / "alice.safetensors").read_bytes() == alice_file  # B's requests never touch A's file
         streams = app.state.tenants.streams
         assert streams["alice"] is not streams["bob"]

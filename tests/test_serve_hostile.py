@@ -379,3 +379,251 @@ def test_one_requests_failure_in_a_shared_step_fails_only_that_request(monkeypat
         assert alice.status_code == 200, alice.text
         assert bob.status_code == 500 and calls["alice"] > 3  # they shared steps before bob's failed
         assert alice.json()["choices"][0]["message"]["content"] == _greedy_text("tiny-llama", "Hello", None, 24)
+
+
+# ----------------------------------------------------------------------------- saves and forks
+def _job(tenant: str, prompt: str, max_tokens: int = 6):
+    """A job on the tiny model and an Event set at its final event (kept in ``job.final``)."""
+    from recap.serve.engine import Job
+    from tests.conftest import load_target
+
+    finished = __import__("threading").Event()
+
+    def emit(event: dict) -> None:
+        if event["type"] in ("done", "error"):
+            job.final = event
+            finished.set()
+
+    job = Job(tenant=tenant, inputs=load_target("tiny-llama").prepare(prompt, None), max_tokens=max_tokens,
+              emit=emit)
+    job.finished = finished
+    return job
+
+
+def _outputs(path) -> int:
+    """Answers held in a RECAP memory file's output store (each ends with -1)."""
+    return int((read_token_memory(path).store == -1).sum())
+
+
+def test_a_fork_made_before_the_memory_file_is_installed_loses_nothing(tmp_path, monkeypatch):
+    """After a restart, the tenant's first request (the stream's own) fails before its prefill
+    while its second, a fork of the stream, runs. Before: the file was installed only at the
+    stream's own next request (`begin_request`), so the fork drafted from an empty memory, its
+    save wrote the stream without the file's rows over the file, and the next request's late
+    install reset the output store and calibration the fork shares: its answer was lost."""
+    from recap.decoding import Decoding
+    from recap.serve.engine import Engine
+    from recap.serve.tenants import TenantStreams
+    from tests.conftest import load_target
+
+    target = load_target("tiny-llama")
+    path = tmp_path / "default.safetensors"
+    engine = Engine(target, TenantStreams("recap", target.vocab_size, tmp_path), max_batch=4)
+    first = _job("default", "Count to five.")
+    engine.submit(first)
+    assert first.finished.wait(120) and first.final["type"] == "done"
+    engine.shutdown(30)
+    before = read_token_memory(path)
+    assert _outputs(path) == 1
+
+    tenants = TenantStreams("recap", target.vocab_size, tmp_path)
+    assert tenants.stream("default").fork_request().memory_counts()[0] == len(before.keys)  # it drafts from the file
+    engine = Engine(target, tenants, max_batch=4)
+    real_open, failed = Decoding.open_prefill, []
+
+    def open_prefill(self):
+        if not failed and self.proposer is tenants.streams.get("default"):
+            failed.append(self)
+            raise RuntimeError("the stream's own request fails before it begins")
+        return real_open(self)
+
+    monkeypatch.setattr(Decoding, "open_prefill", open_prefill)
+    own, fork = _job("default", "Name a colour."), _job("default", "Say hello.")
+    with engine._lock:  # both queued at once: the second is taken while the first is in flight
+        engine._jobs.extend([own, fork])
+        engine._wake.notify()
+    assert own.finished.wait(120) and fork.finished.wait(120)
+    assert failed and own.final["type"] == "error" and fork.final["type"] == "done"
+    later = _job("default", "What is two plus two?")
+    engine.submit(later)
+    assert later.finished.wait(120) and later.final["type"] == "done"
+    engine.shutdown(30)
+    after = read_token_memory(path)
+    assert set(before.keys.tolist()) <= set(after.keys.tolist())
+    assert _outputs(path) == 3  # the first server's answer, the fork's and the later one's
+
+
+def test_a_slow_memory_save_holds_no_other_tenants_request(tmp_path, monkeypatch):
+    """alice's save is stuck in its write until bob's request, sent after it, is answered.
+    Before: the decoder wrote alice's file itself at the end of her request, so bob's request
+    waited for alice's disk (here the write gave up waiting after 30 s, then bob ran)."""
+    import threading
+
+    import recap.core.persistence as persistence
+    from recap.serve.engine import Engine
+    from recap.serve.tenants import TenantStreams
+
+    real, alice_writing, bob_answered, waits = persistence.write_private, threading.Event(), threading.Event(), []
+
+    def write_private(filename, data):
+        if os.path.basename(filename).startswith(".alice."):
+            alice_writing.set()
+            waits.append(bob_answered.wait(30))  # False: bob was not answered while alice's write waited
+        real(filename, data)
+
+    monkeypatch.setattr(persistence, "write_private", write_private)
+    engine = Engine(load_target_model(), TenantStreams("recap", load_vocab(), tmp_path), max_batch=4)
+    try:
+        alice = _job("alice", "Count to five.")
+        engine.submit(alice)
+        assert alice_writing.wait(120)
+        bob = _job("bob", "Say hello.")
+        engine.submit(bob)
+        assert bob.finished.wait(120) and bob.final["type"] == "done"
+        bob_answered.set()
+        assert alice.finished.wait(120) and alice.final["type"] == "done"
+    finally:
+        bob_answered.set()
+        engine.shutdown(30)
+    assert waits and all(waits)
+    assert len(read_token_memory(tmp_path / "alice.safetensors").keys) > 0
+
+
+def load_target_model():
+    from tests.conftest import load_target
+
+    return load_target("tiny-llama")
+
+
+def _rows(n: int, keys: np.ndarray | None = None):
+    """A token-memory snapshot of ``n`` rows (keys 0..n-1 unless given)."""
+    from recap.core.persistence import token_memory_snapshot
+
+    keys = np.arange(n) if keys is None else keys
+    return token_memory_snapshot(keys, np.ones((n, 8), np.int64), np.full((n, 8), 0.125), vocab_size=1000)
+
+
+def test_saves_of_one_tenant_are_coalesced_in_order_and_private(tmp_path, monkeypatch):
+    """While t's first save is being written, three more of t and one of u come: t's newest
+    replaces the two before it, and is written after the first, then u's. The snapshot is a
+    copy (changing the arrays it was taken from changes nothing), and the file is 0600
+    whatever the umask. Before: there was no saver (every save was written at once, on the
+    decoder thread)."""
+    import threading
+
+    from safetensors.numpy import load
+
+    import recap.core.persistence as persistence
+    from recap.serve.saver import MemorySaver
+
+    real, entered, release, written = persistence.write_private, threading.Event(), threading.Event(), []
+
+    def write_private(filename, data):
+        entered.set()
+        assert release.wait(30)
+        real(filename, data)
+        written.append((os.path.basename(filename).split(".")[1], len(load(data)["keys"])))
+
+    monkeypatch.setattr(persistence, "write_private", write_private)
+    saver, path = MemorySaver(), tmp_path / "t.safetensors"
+    old = os.umask(0)
+    try:
+        saver.submit("t", path, _rows(1))
+        assert entered.wait(30)  # the first one is being written
+        keys = np.arange(4)
+        newest = _rows(4, keys)
+        saver.submit("t", path, _rows(2))
+        saver.submit("u", tmp_path / "u.safetensors", _rows(5))
+        saver.submit("t", path, _rows(3))
+        saver.submit("t", path, newest)
+        keys[:] = 999  # the stream goes on changing: the snapshot does not
+        release.set()
+        assert saver.flush(30)
+    finally:
+        os.umask(old)
+        release.set()
+    assert written == [("t", 1), ("t", 4), ("u", 5)]
+    assert saver.coalesced == 2 and saver.written == 3 and saver.pending == 0
+    assert read_token_memory(path).keys.tolist() == [0, 1, 2, 3]
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.safetensors", "u.safetensors"]
+
+
+def test_a_failed_write_is_logged_in_one_line_and_the_next_save_is_written(tmp_path, monkeypatch, caplog):
+    """A full disk, then a writer's bug: each is one log line, and the saver's thread lives on
+    to write the next save. Before: there was no saver."""
+    import errno
+    import logging
+
+    import recap.core.persistence as persistence
+    from recap.serve.saver import MemorySaver
+
+    real, calls = persistence.write_private, []
+
+    def write_private(filename, data):
+        calls.append(filename)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        if len(calls) == 2:
+            raise RuntimeError("a bug in a writer")
+        real(filename, data)
+
+    monkeypatch.setattr(persistence, "write_private", write_private)
+    saver, path = MemorySaver(), tmp_path / "t.safetensors"
+    with caplog.at_level(logging.ERROR, logger="recap.serve"):
+        for n in (1, 2, 3):
+            saver.submit("t", path, _rows(n))
+            assert saver.flush(30)
+            assert saver.last_failed("t") == (n < 3)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 2 and all(r.exc_info is None and "\n" not in r.getMessage() for r in errors)
+    assert "No space left" in errors[0].getMessage() and "could not save" in errors[1].getMessage()
+    assert saver.failed == 2 and saver.written == 1
+    assert len(read_token_memory(path).keys) == 3
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # the failed writes left no temporary
+
+
+def test_shutdown_writes_every_waiting_save_before_it_lets_the_folder_go(tmp_path, monkeypatch):
+    """The request is answered while its save still waits; shutdown writes it (and its own)
+    with the folder still locked, and the file loads back as the stream that learned it.
+    Before: the request was answered only after its save was written."""
+    import threading
+
+    import recap.core.persistence as persistence
+    from recap.proposers import make_proposer
+    from recap.serve.engine import Engine
+    from recap.serve.tenants import TenantStreams
+
+    real, release, locked = persistence.write_private, threading.Event(), []
+    tenants = TenantStreams("recap", load_vocab(), tmp_path)
+
+    def write_private(filename, data):
+        release.wait(30)
+        locked.append(tenants._folder_lock is not None)
+        real(filename, data)
+
+    monkeypatch.setattr(persistence, "write_private", write_private)
+    engine = Engine(load_target_model(), tenants, max_batch=4)
+    job = _job("default", "Count to five.")
+    try:
+        engine.submit(job)
+        assert job.finished.wait(120) and job.final["type"] == "done"
+        assert locked == []  # answered, not yet written
+        flush = tenants.saver.flush
+
+        def releasing_flush(timeout=None):  # the write goes on only once shutdown waits for it
+            release.set()
+            return flush(timeout)
+
+        tenants.saver.flush = releasing_flush
+    finally:
+        engine.shutdown(30)
+        release.set()
+    assert locked and all(locked) and tenants._folder_lock is None
+    stream, loaded = tenants.streams["default"], make_proposer("recap")
+    loaded.load_memory(tmp_path / "default.safetensors", vocab_size=load_vocab())
+    (keys, ids, probs), (file_keys, file_ids, file_probs) = stream.memory.unigram_arrays(), \
+        loaded.memory.unigram_arrays()
+    assert len(keys) and np.array_equal(keys, file_keys) and np.array_equal(ids, file_ids)
+    assert np.allclose(probs, file_probs, atol=1e-6)  # the file holds them as float32
+    assert loaded.store.flat() == stream.store.flat() and len(loaded.store.flat()) > 1

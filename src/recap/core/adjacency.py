@@ -19,15 +19,23 @@ import numpy as np
 from recap.core.persistence import (
     MAX_FILE_BYTES,
     MemoryFileError,
+    MemorySnapshot,
     parse_count,
     safetensors_metadata,
     temporary_path,
-    write_private,
+    write_atomically,
 )
 
 FORMAT = "recap-adjacency-matrix"
 UNKNOWN = -1
 """Entry of a row that was never written, in tables created with ``fill=UNKNOWN``."""
+
+
+class MatrixSnapshot(MemorySnapshot):
+    """An `AdjacencyMatrix.snapshot`: its own arrays (``table[tokens]`` gathers a copy)."""
+
+    def _write_bytes(self, path: str | os.PathLike, data: bytes) -> None:
+        write_atomically(path, data, temporary_path(path))
 
 
 class AdjacencyMatrix:
@@ -101,19 +109,14 @@ class AdjacencyMatrix:
         """The rows that differ from an unwritten row, with their tokens (safetensors, written
         0600 through a temporary file, fsynced, then renamed: an interrupted save leaves no
         half file); ``metadata``: extra string fields stored with the file's own."""
-        from safetensors.numpy import save
+        self.snapshot().write(path, metadata)
 
+    def snapshot(self) -> MatrixSnapshot:
+        """A copy of what `save` writes (the written rows and their tokens), to be written
+        later, on another thread, while this table goes on changing."""
         tokens = np.flatnonzero((self.table != self.fill).any(axis=1)).astype(np.int64)
         own = {"format": FORMAT, "vocab_size": str(self.vocab_size), "k": str(self.k), "fill": str(self.fill)}
-        metadata = {**{str(k): str(v) for k, v in (metadata or {}).items()}, **own}
-        temporary = temporary_path(path)
-        try:
-            write_private(temporary, save({"tokens": tokens, "rows": np.ascontiguousarray(self.table[tokens])},
-                                          metadata=metadata))
-            os.replace(temporary, path)
-        finally:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
+        return MatrixSnapshot({"tokens": tokens, "rows": np.ascontiguousarray(self.table[tokens])}, own)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, fill: int, vocab_size: int | None = None,

@@ -117,40 +117,15 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[str]:
     return removed
 
 
-def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray, probs: np.ndarray, *,
-                      vocab_size: int, store: np.ndarray | None = None,
-                      calibration: tuple[np.ndarray, ...] | None = None,
-                      last_seen: tuple[np.ndarray, np.ndarray] | None = None,
-                      metadata: dict[str, str] | None = None) -> None:
-    """Write U (keys [n], ids [n, K], probs [n, K]), the output store (flat, -1 after each
-    output), the calibration counts (trials, accepts and optionally expected) and the recency
-    of tokens (tokens, requests: the bounded memory's eviction order) atomically and durably. ``metadata``:
-    extra string fields stored with the file's own (which it cannot replace); the scaled
-    server keeps a tenant's save version and request count there."""
-    from safetensors.numpy import save
-
-    trials, accepts, expected = (*calibration, np.zeros(0))[:3] if calibration is not None else (np.zeros(0),) * 3
-    expected = np.zeros(0) if expected is None else expected
-    seen_tokens, seen_requests = last_seen if last_seen is not None else (np.zeros(0), np.zeros(0))
-    tensors = {
-        "keys": np.ascontiguousarray(keys, dtype=np.int64),
-        "ids": np.ascontiguousarray(ids, dtype=np.int64),
-        "probs": np.ascontiguousarray(probs, dtype=np.float32),
-        "store": np.ascontiguousarray(np.zeros(0) if store is None else store, dtype=np.int64),
-        "calibration_trials": np.ascontiguousarray(trials, dtype=np.float64),
-        "calibration_accepts": np.ascontiguousarray(accepts, dtype=np.float64),
-        "seen_tokens": np.ascontiguousarray(seen_tokens, dtype=np.int64),
-        "seen_requests": np.ascontiguousarray(seen_requests, dtype=np.int64),
-        "calibration_expected": np.ascontiguousarray(expected, dtype=np.float64),
-    }
-    own = {"format": FORMAT, "version": VERSION, "vocab_size": str(vocab_size),
-           "top_k": str(tensors["ids"].shape[1]),
-           "sha256": _checksum(*(tensors[name] for name in ("keys", "ids", "probs", *_TENSORS[VERSION])))}
-    metadata = {**{str(k): str(v) for k, v in (metadata or {}).items()}, **own}
+def write_atomically(path: str | os.PathLike, data: bytes, temporary: str | None = None) -> None:
+    """Replace ``path`` by a file holding ``data``, atomically and durably: a temporary file
+    of this writer's own (``temporary``, by default `temporary_path`), written 0600 and fsynced
+    (`write_private`), renamed over ``path``, then the folder fsynced; a failed write removes
+    its temporary."""
     path = os.fspath(path)
-    temporary = temporary_path(path)
+    temporary = temporary or temporary_path(path)
     try:
-        write_private(temporary, save(tensors, metadata=metadata))
+        write_private(temporary, data)
         os.replace(temporary, path)
     finally:
         if os.path.exists(temporary):
@@ -165,6 +140,69 @@ def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray
         pass
     finally:
         os.close(folder)
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """A stream's persistent state copied at one moment, written later by `write`. The arrays
+    are the snapshot's own (never views of the stream's), so the thread that takes it (the
+    server's decoder, with the tenant's lock held) goes on changing the stream while another
+    (`recap.serve.saver.MemorySaver`) hashes and writes it: the copy is the decoder's only cost."""
+
+    tensors: dict[str, np.ndarray]
+    metadata: dict[str, str]
+    """The format's own string fields (extra fields given to `write` never replace them)."""
+    checksum: tuple[str, ...] = ()
+    """The tensors hashed, in this order, into the ``sha256`` field (none: no such field)."""
+
+    def write(self, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:
+        """Write the snapshot to ``path`` as safetensors (`write_atomically`); ``metadata``:
+        extra string fields stored with the file's own."""
+        from safetensors.numpy import save
+
+        own = dict(self.metadata)
+        if self.checksum:
+            own["sha256"] = _checksum(*(self.tensors[name] for name in self.checksum))
+        fields = {**{str(k): str(v) for k, v in (metadata or {}).items()}, **own}
+        self._write_bytes(path, save(self.tensors, metadata=fields))
+
+    def _write_bytes(self, path: str | os.PathLike, data: bytes) -> None:
+        write_atomically(path, data)
+
+
+def _owned(array: np.ndarray | None, dtype: type) -> np.ndarray:
+    """A contiguous copy of ``array`` in ``dtype`` (an empty array for None): never a view."""
+    return np.array(np.zeros(0) if array is None else array, dtype=dtype, order="C", copy=True)
+
+
+def token_memory_snapshot(keys: np.ndarray, ids: np.ndarray, probs: np.ndarray, *, vocab_size: int,
+                          store: np.ndarray | None = None, calibration: tuple[np.ndarray, ...] | None = None,
+                          last_seen: tuple[np.ndarray, np.ndarray] | None = None) -> MemorySnapshot:
+    """A copy of U (keys [n], ids [n, K], probs [n, K]), the output store (flat, -1 after
+    each output), the calibration counts (trials, accepts and optionally expected) and the
+    recency of tokens (tokens, requests: the bounded memory's eviction order), in the file's
+    layout: `MemorySnapshot.write` hashes and writes it (`save_token_memory` does both)."""
+    trials, accepts, expected = (*calibration, None)[:3] if calibration is not None else (None,) * 3
+    seen_tokens, seen_requests = last_seen if last_seen is not None else (None, None)
+    tensors = {name: _owned(array, DTYPES[name]) for name, array in (
+        ("keys", keys), ("ids", ids), ("probs", probs), ("store", store), ("calibration_trials", trials),
+        ("calibration_accepts", accepts), ("seen_tokens", seen_tokens), ("seen_requests", seen_requests),
+        ("calibration_expected", expected))}
+    own = {"format": FORMAT, "version": VERSION, "vocab_size": str(vocab_size), "top_k": str(tensors["ids"].shape[1])}
+    return MemorySnapshot(tensors, own, checksum=("keys", "ids", "probs", *_TENSORS[VERSION]))
+
+
+def save_token_memory(path: str | os.PathLike, keys: np.ndarray, ids: np.ndarray, probs: np.ndarray, *,
+                      vocab_size: int, store: np.ndarray | None = None,
+                      calibration: tuple[np.ndarray, ...] | None = None,
+                      last_seen: tuple[np.ndarray, np.ndarray] | None = None,
+                      metadata: dict[str, str] | None = None) -> None:
+    """Write U, the output store, the calibration counts and the recency of tokens
+    (`token_memory_snapshot`) atomically and durably. ``metadata``: extra string fields stored
+    with the file's own (which it cannot replace); the scaled server keeps a tenant's save
+    version and request count there."""
+    token_memory_snapshot(keys, ids, probs, vocab_size=vocab_size, store=store, calibration=calibration,
+                          last_seen=last_seen).write(path, metadata)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import copy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from os import PathLike
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -51,6 +52,9 @@ from recap.core.suffix import SuffixAutomaton
 from recap.core.timing import StageTimer
 from recap.errors import InputError
 from recap.proposers.base import BaseProposer
+
+if TYPE_CHECKING:
+    from recap.core.persistence import MemorySnapshot
 
 SEED_PROMPT = {"all": "first", "answers": "answers", "none": "none"}
 """`RecapConfig.seed_prompt` -> the prompt rows the proposer asks prefill for."""
@@ -321,10 +325,12 @@ class RecapProposer(BaseProposer):
         stream's calibration and output store (one thread runs both, so their updates simply
         interleave). The rows it writes into U are kept and replayed into the stream's U when
         it ends (U only: the stream's own request keeps its C and G), so no request's
-        learning is lost."""
+        learning is lost. A file still waiting to be installed (loaded without a vocabulary)
+        is installed first, at the file's vocabulary, for the same reason as in `load_memory`."""
+        if self._pending_memory is not None:
+            self._install_now(self._pending_memory, self._pending_memory.vocab_size)
         child = copy.copy(self)
         child.memory = self.memory.snapshot() if self.memory is not None else None
-        child._pending_memory = None  # a saved file is installed by the stream's own request
         child._stages = StageTimer()
         child._parent = self
         child._journal = []
@@ -569,31 +575,51 @@ class RecapProposer(BaseProposer):
 
     # ------------------------------------------------------------------ persistence
     def save_memory(self, path: str | PathLike, metadata: dict[str, str] | None = None) -> None:
-        """Write the stream's persistent state to ``path``: U, the output store, the
-        calibration counts and each token's last request (the memory bound's eviction order,
-        so a restart keeps evicting the least recently seen); see `recap.core.persistence`
-        (atomic, durable). ``metadata``: extra string fields stored with the file."""
-        from recap.core.persistence import save_token_memory
+        """Write the stream's persistent state to ``path`` (`memory_snapshot`, then its write:
+        atomic, durable; see `recap.core.persistence`). ``metadata``: extra string fields
+        stored with the file."""
+        self.memory_snapshot().write(path, metadata)
+
+    def memory_snapshot(self) -> MemorySnapshot:
+        """A copy of what `save_memory` writes: U, the output store, the calibration counts and
+        each token's last request (the memory bound's eviction order, so a restart keeps
+        evicting the least recently seen). The copy is the only cost to the caller: a server
+        takes it on its decoder thread and writes it on another (`recap.serve.saver`)."""
+        from recap.core.persistence import token_memory_snapshot
 
         if self.vocab_size is None or self.memory is None:
             raise InputError("nothing to save yet: the memory's vocabulary is known after the first request")
         calibrator = self.calibrator
         calibration = (calibrator.trials, calibrator.accepts, calibrator.expected) if self.config.calibration else None
         seen = np.fromiter(self._last_seen.items(), dtype=np.dtype((np.int64, 2)), count=len(self._last_seen))
-        save_token_memory(path, *self.memory.unigram_arrays(), vocab_size=self.vocab_size,
-                          store=np.asarray(self.store.flat(), dtype=np.int64), calibration=calibration,
-                          last_seen=(seen[:, 0], seen[:, 1]), metadata=metadata)
+        return token_memory_snapshot(*self.memory.unigram_arrays(), vocab_size=self.vocab_size,
+                                     store=np.asarray(self.store.flat(), dtype=np.int64), calibration=calibration,
+                                     last_seen=(seen[:, 0], seen[:, 1]))
 
     def load_memory(self, path: str | PathLike, vocab_size: int | None = None) -> None:
         """Read and check a memory file now: every error (damage, rows wider than ``top_k``,
         calibration counts for other cells, another vocabulary than ``vocab_size`` where the
-        caller knows it) surfaces here as `MemoryFileError`, before the stream changes; it is
-        installed at the next request, once the target's vocabulary is known and checked."""
+        caller knows it) surfaces here as `MemoryFileError`, before the stream changes. With
+        ``vocab_size`` (a server's tenant streams) it is installed now, so a request forked
+        from this stream before the stream's own request begins (`fork_request`) drafts from
+        it, and no later install resets the output store and calibration the fork shares;
+        without, at the next request, once the target's vocabulary is known and checked."""
         from recap.core.persistence import read_token_memory
 
         saved = read_token_memory(path)
         self._validate(saved, vocab_size)
-        self._pending_memory = saved
+        if vocab_size is None:
+            self._pending_memory = saved
+        else:
+            self._install_now(saved, vocab_size)
+
+    def _install_now(self, saved, vocab_size: int) -> None:
+        """Install a checked file into this stream before its next request begins."""
+        self._pending_memory = None
+        if self.memory is None or self.vocab_size != vocab_size:
+            self.memory = FastMemory(vocab_size, self.config.top_k)
+        self.vocab_size = vocab_size
+        self._install(saved, vocab_size)
 
     def _validate(self, saved, vocab_size: int | None) -> None:
         """Raise `MemoryFileError` if ``saved`` cannot be installed whole into this stream

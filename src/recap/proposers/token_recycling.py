@@ -27,7 +27,7 @@ import os
 from os import PathLike
 from pathlib import Path
 
-from recap.core.adjacency import AdjacencyMatrix
+from recap.core.adjacency import AdjacencyMatrix, MatrixSnapshot
 from recap.core.static_tree import StaticTreeTemplate
 from recap.errors import InputError
 from recap.proposers.recycling import RecyclingProposer
@@ -93,9 +93,13 @@ class TokenRecyclingProposer(RecyclingProposer):
     def save_memory(self, path: str | PathLike, metadata: dict[str, str] | None = None) -> None:
         """The matrix's written rows, as a safetensors file (what `recap bench` checkpoints);
         ``metadata``: extra string fields stored with it."""
+        self.memory_snapshot().write(path, metadata)
+
+    def memory_snapshot(self) -> MatrixSnapshot:
+        """A copy of what `save_memory` writes (a server writes it on another thread)."""
         if self.matrix is None:
             raise InputError("nothing to save: the stream has not seen a request yet")
-        self.matrix.save(path, metadata=metadata)
+        return self.matrix.snapshot()
 
     def load_memory(self, path: str | PathLike, vocab_size: int | None = None) -> None:
         """Continue the stream saved by `save_memory` (the vocabulary must match the target's:

@@ -284,6 +284,8 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
     tenants = TenantStreams(config.method, target.vocab_size, config.memory_dir, config.memory_rows) \
         if make_engine is None else None
     metrics = Metrics(lambda: engine.depth)  # read at scrape time, once the engine exists
+    if tenants is not None:
+        tenants.saver.on_coalesced = metrics.memory_saves_coalesced.inc
     secrets = _server_paths(target, config, images)
 
     def redact(message: str) -> str:

@@ -7,10 +7,11 @@ the worker moves queued jobs into the batch (each on a lane of its own, prefille
 step so running requests never wait longer than one prefill), steps every running request
 in one forward, turns each request's step into text (`IncrementalDetokenizer`), and checks
 between steps whether a job was cancelled (client gone, time limit, shutdown). Whatever
-happens, the request's lane is freed and its tenant's memory saved before it is answered;
-the worker holds the tenant's lock while any of its requests runs, so a save (the
-shutdown's included) never reads a stream mid-change. A tenant's requests that overlap run
-on forks of its stream (`Proposer.fork_request`).
+happens, the request's lane is freed and a copy of its tenant's memory handed to the saver
+thread (`recap.serve.saver`) before it is answered: the worker copies, never writes, so no
+tenant's step waits for another's disk. The worker holds the tenant's lock while any of its
+requests runs, so a save (the shutdown's included) never reads a stream mid-change. A
+tenant's requests that overlap run on forks of its stream (`Proposer.fork_request`).
 """
 
 from __future__ import annotations
@@ -269,7 +270,8 @@ class Engine:
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Refuse new jobs, cancel the waiting ones, let the running ones finish (or cancel
-        them after ``timeout``), then save every tenant's memory."""
+        them after ``timeout``), then save every tenant's memory and wait for the saver to
+        have written every save before the memory folder is let go."""
         with self._lock:
             self._accepting = False
             waiting, self._jobs = list(self._jobs), deque()
@@ -285,6 +287,7 @@ class Engine:
             self._thread.join(timeout)
         # a decoder still running holds its tenants' locks: those tenants keep their last saved file
         self.tenants.save_all(timeout=0.0 if self._thread.is_alive() else None)
+        self.tenants.flush()  # every save handed over is on disk
         if not self._thread.is_alive():  # a decoder still running may save again: keep the folder
             self.tenants.close()
 
@@ -441,13 +444,14 @@ class Engine:
         }
 
     def _end(self, active: _Active, event: dict[str, Any]) -> None:
-        """A request has left the batch (its lane freed): save its tenant's memory, then answer."""
+        """A request has left the batch (its lane freed): hand a copy of its tenant's memory to
+        the saver (written off this thread, `recap.serve.saver`), then answer."""
         job = active.job
         self._active.pop(active.decoding, None)
         self._in_flight[job.tenant] -= 1
         if not self._in_flight[job.tenant]:
             del self._in_flight[job.tenant]
-        try:  # before answering: an answered request's memory is on disk
+        try:  # a copy, with the lock held: what the request learned, on disk within the saver's lag
             self.tenants.save_request(job.tenant)
         except Exception:  # noqa: BLE001
             log.exception("tenant %s: saving its memory failed", job.tenant)

@@ -26,6 +26,8 @@ class Metrics:
                                  buckets=LATENCY_BUCKETS)
         self.first_token = Histogram("recap_time_to_first_token_seconds", "Time from arrival to the first token",
                                      registry=r, buckets=LATENCY_BUCKETS)
+        self.memory_saves_coalesced = Counter("recap_memory_saves_coalesced", "Tenant memory saves replaced by "
+                                              "a newer one of the same tenant before being written", registry=r)
         self.queue_depth = Gauge("recap_queue_depth", "Requests waiting for the decoder", registry=r)
         self.queue_depth.set_function(queue_depth)
 

@@ -11,7 +11,10 @@ stream if the file's version differs from its copy's (another replica saved sinc
 each request it saves atomically (temporary file, fsync, rename) with version + 1, and lets
 the lock go only when the tenant's last request in this process has ended and been saved.
 So no save is ever based on a stale copy: no request's learning is lost, and a file's
-request count is exactly the requests it learned from.
+request count is exactly the requests it learned from. As in the single server, the decoder
+only copies the stream (with version and count) and the saver thread writes it
+(`recap.serve.saver`); `release` waits for that write before it lets the lock go, so the
+order above holds, and a write that failed makes the next hold reload the file.
 
 The lock is handed over rather than raced for: a waiting replica holds a shared lock on
 ``<tenant>.want``; a replica holding the tenant sees it and queues no further request of the
@@ -52,6 +55,9 @@ STALE_TEMPORARY_S = 3600.0
 ids cannot tell, as the single server's cleanup does: the writer may be on another machine."""
 LOCK_POLL_S = (0.002, 0.02)
 """First and longest wait between two tries of a tenant's lock (it doubles in between)."""
+STALE = -2
+"""The version of a copy whose last save failed: no file has it (`file_version` is -1 at
+least), so the next hold reloads the file."""
 YIELD_S = 1.0
 """After letting a tenant's lock go while another process waits for it, a replica waits this
 long at most for that process to take it before competing for it again."""
@@ -207,7 +213,9 @@ class SharedTenantStreams(TenantStreams):
             hold.changed.notify_all()
 
     def release(self, tenant: str) -> None:
-        """One request of the tenant is over (its final event sent, its save done)."""
+        """One request of the tenant is over (its final event about to be sent, its save handed
+        to the saver). The last one of this process waits for the saver to have written the
+        tenant's saves before the lock goes: another process then reads the newest file."""
         if self.memory_dir is None:
             return
         hold = self._hold(tenant)
@@ -216,6 +224,9 @@ class SharedTenantStreams(TenantStreams):
                 raise RuntimeError(f"tenant {tenant}: released more often than held")
             hold.count -= 1
             if hold.count == 0:
+                self.saver.wait(tenant)
+                if self.saver.last_failed(tenant):  # the file is older than this copy: reload it next time
+                    self.versions[tenant] = STALE
                 fd, hold.fd = hold.fd, None
                 if fd is not None and self.others_wait(tenant):
                     hold.yield_until = time.monotonic() + YIELD_S
@@ -300,17 +311,15 @@ class SharedTenantStreams(TenantStreams):
                 return False
             self.requests[tenant] = self.requests.get(tenant, 0) + 1
             proposer = self.streams.get(tenant)
-            if proposer is None or not hasattr(proposer, "save_memory"):
+            if proposer is None or not hasattr(proposer, "memory_snapshot"):
                 return True
-            version = self.versions.get(tenant, 0) + 1
+            version = max(self.versions.get(tenant, 0), 0) + 1
             try:
-                proposer.save_memory(path, metadata={VERSION_KEY: str(version),
-                                                     REQUESTS_KEY: str(self.requests[tenant])})
+                snapshot = proposer.memory_snapshot()
             except InputError:
                 return True  # nothing learned yet
-            except OSError as error:
-                log.error("tenant %s: could not save its memory: %s", tenant, error.strerror)
-                return False
+            self.saver.submit(tenant, path, snapshot, metadata={VERSION_KEY: str(version),
+                                                                REQUESTS_KEY: str(self.requests[tenant])})
             self.versions[tenant] = version
         return True
 
@@ -326,8 +335,9 @@ FINAL = ("done", "error")
 def locked_events(engine: Engine, tenants: SharedTenantStreams, job: Job) -> Iterator[dict[str, Any]]:
     """Run ``job`` on ``engine`` with its tenant's lock held, yielding its events (a replica's
     request, `recap.serve.scale.Replica.decode`). The lock is taken before the job is queued
-    and let go after the decoder saved the tenant (`Engine._end`), just before the final
-    event; a caller that stops early still waits for the decoder to be done with the job.
+    and let go after the decoder handed the tenant's save over (`Engine._end`) and the saver
+    wrote it (`SharedTenantStreams.release`), just before the final event; a caller that
+    stops early still waits for the decoder to be done with the job.
     ``job.emit`` is replaced."""
     events: queue.Queue[dict[str, Any]] = queue.Queue()
     job.emit = events.put

@@ -4,6 +4,9 @@ A keys file has one ``<tenant> <key>`` pair per line (``#`` starts a comment). A
 stream (its proposer: for RECAP, U, the output store and the calibration) is never shared;
 with a memory folder it is saved as ``<tenant>.safetensors`` after each request and at
 shutdown (atomic: temporary file, fsync, rename) and loaded at the tenant's first request.
+A save copies the stream under the tenant's lock and leaves the writing to a background
+thread (`recap.serve.saver.MemorySaver`): a request's memory is on disk within that thread's
+lag, and always once `flush` (the shutdown's) returns.
 A file that cannot be used is moved aside with one log line and the tenant starts cold.
 RECAP's token memory is bounded per tenant (``memory_rows``; least recently seen tokens go).
 """
@@ -24,6 +27,7 @@ from pathlib import Path
 from recap.core.persistence import MemoryFileError, private_folder, remove_stale_temporaries
 from recap.errors import InputError, RecapError
 from recap.proposers import Proposer, make_proposer
+from recap.serve.saver import MemorySaver
 
 log = logging.getLogger("recap.serve")
 TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
@@ -139,15 +143,25 @@ class TenantStreams:
         self.streams: dict[str, Proposer] = {}
         self._locks: dict[str, threading.RLock] = {}
         self._locks_guard = threading.Lock()
+        self.saver = MemorySaver()
+        """Writes the snapshots `save` takes, off the caller's (the decoder's) thread."""
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every save handed to the saver is written; False if ``timeout`` passed."""
+        return self.saver.flush(timeout)
 
     def close(self) -> None:
-        """Let another server have the memory folder (after the last save)."""
+        """Write every save still waiting, then let another server have the memory folder."""
+        self.saver.close()
+        self._unlock_folder()
+
+    def _unlock_folder(self) -> None:
         if self._folder_lock is not None:
             os.close(self._folder_lock)
             self._folder_lock = None
 
     def __del__(self) -> None:
-        self.close()
+        self._unlock_folder()
 
     def lock(self, tenant: str) -> threading.RLock:
         """The tenant's lock: the decoder holds it while a request changes the stream and every
@@ -188,32 +202,32 @@ class TenantStreams:
         return self.streams[tenant]
 
     def save(self, tenant: str, timeout: float | None = None) -> bool:
-        """Write the tenant's memory (if it has a file and anything to save) under its lock;
-        waits ``timeout`` seconds at most for a request in flight (None: as long as it takes).
-        False when it gave up: the file then keeps its last save."""
+        """Hand a snapshot of the tenant's memory (if it has a file and anything to save),
+        taken under its lock, to the saver, which writes it soon (`flush` waits for it);
+        waits ``timeout`` seconds at most for a request in flight (None: as long as it
+        takes). False when it gave up: the file then keeps its last save."""
         path, proposer = self.path(tenant), self.streams.get(tenant)
-        if path is None or proposer is None or not hasattr(proposer, "save_memory"):
+        if path is None or proposer is None or not hasattr(proposer, "memory_snapshot"):
             return True
         lock = self.lock(tenant)
         if not lock.acquire(timeout=-1 if timeout is None else timeout):
             log.warning("tenant %s: a request still uses its stream; its memory file keeps the last save", tenant)
             return False
-        try:
-            proposer.save_memory(path)
+        try:  # a copy (the stream changes once the lock goes), handed over under the lock: in order
+            self.saver.submit(tenant, path, proposer.memory_snapshot())
         except InputError:
             pass  # nothing learned yet
-        except OSError as error:
-            log.error("tenant %s: could not save its memory to %s: %s", tenant, path, error)
         finally:
             lock.release()
         return True
 
     def save_request(self, tenant: str) -> bool:
-        """`save` after one of the tenant's requests left the decoder (with its lock held);
+        """`save` after one of the tenant's requests left the decoder (with its lock held):
+        a copy of the memory, written by the saver thread;
         `recap.serve.shared.SharedTenantStreams` also counts the request and versions the file."""
         return self.save(tenant)
 
     def save_all(self, timeout: float | None = None) -> None:
-        """`save` every tenant (``timeout`` for each)."""
+        """`save` every tenant (``timeout`` for each); `flush` waits for the writes."""
         for tenant in list(self.streams):
             self.save(tenant, timeout)
