@@ -32,11 +32,14 @@ from tests.conftest import load_target
 PROMPTS = ["Count to five.", "Name a colour.", "Say hello.", "What is two plus two?"]
 
 
-def _request(engine: Engine, tenants: SharedTenantStreams, tenant: str, prompt: str, pause: float = 0.0) -> dict:
+def _request(engine: Engine, tenants: SharedTenantStreams, tenant: str, prompt: str, pause: float = 0.0,
+             request_id: str | None = None) -> dict:
     """One request through the replica's path; ``pause``: seconds between taking the lock and
-    queueing (widens the window in which another process could interleave)."""
+    queueing (widens the window in which another process could interleave); ``request_id``:
+    the id the front gives every attempt of one request."""
     target = engine.target
     job = Job(tenant=tenant, inputs=target.prepare(prompt, None), max_tokens=6, emit=lambda event: None)
+    job.request_id = request_id  # set, not passed: the old code's Job has no such field (its tests fail, not error)
     if pause:
         original = tenants._refresh
 
@@ -218,3 +221,99 @@ def test_old_temporaries_go_and_recent_ones_stay(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"not a file")
     assert memory_metadata(tmp_path / "bad.safetensors") == {}
     assert file_version(None) == 0 and file_version({VERSION_KEY: "x"}) == -1
+
+
+def test_a_request_the_file_lists_is_answered_but_learned_from_once(tmp_path, monkeypatch):
+    """A replica that died between its save and its last event: the front runs the request
+    again (same id) on another replica, which answers it identically but learns nothing (the
+    file's count, version and bytes stay); a new id counts. The negative control, without
+    the id check, counts the repeat twice."""
+    import numpy as np
+
+    target = load_target("tiny-llama")
+    a = SharedTenantStreams("recap", target.vocab_size, tmp_path, 4096)
+    b = SharedTenantStreams("recap", target.vocab_size, tmp_path, 4096)
+    engine_a, engine_b = Engine(target, a, max_batch=1), Engine(target, b, max_batch=1)
+    path = tmp_path / "t.safetensors"
+    try:
+        first = _request(engine_a, a, "t", PROMPTS[0], request_id="r1")
+        metadata = memory_metadata(path)
+        assert (metadata[VERSION_KEY], metadata[REQUESTS_KEY]) == ("1", "1")
+        saved = path.read_bytes()
+        again = _request(engine_b, b, "t", PROMPTS[0], request_id="r1")  # B reloads A's file: it lists r1
+        assert again["text"] == first["text"]
+        assert memory_metadata(path)[REQUESTS_KEY] == "1"  # the old code counted r1 twice
+        assert path.read_bytes() == saved and b.versions["t"] == 1 and b.requests["t"] == 1
+        from recap.serve.shared import LEARNED_KEY, learned_ids
+
+        assert learned_ids(metadata) == ["r1"]
+        fresh = SharedTenantStreams("recap", target.vocab_size, tmp_path, 4096)
+        fresh.hold("t")  # the file as a replica loads it
+        fresh.release("t")
+        kept, loaded = b.streams["t"].memory_snapshot().tensors, fresh.streams["t"].memory_snapshot().tensors
+        assert all(np.array_equal(kept[name], array) for name, array in loaded.items())  # nothing merged back
+        _request(engine_b, b, "t", PROMPTS[0], request_id="r1")  # again, on B's own current copy
+        assert path.read_bytes() == saved
+        _request(engine_b, b, "t", PROMPTS[1], request_id="r2")  # a new request counts
+        metadata = memory_metadata(path)
+        assert (metadata[VERSION_KEY], metadata[REQUESTS_KEY], learned_ids(metadata)) == ("2", "2", ["r1", "r2"])
+        monkeypatch.setattr(SharedTenantStreams, "learned_from", lambda self, tenant, request_id: False)
+        _request(engine_a, a, "t", PROMPTS[0], request_id="r1")  # negative control: without the check
+        assert memory_metadata(path)[REQUESTS_KEY] == "3"  # r1 counted twice: the checks above can fail
+    finally:
+        engine_a.shutdown(5)
+        engine_b.shutdown(5)
+    many = ",".join(f"id{i}" for i in range(70))
+    for hostile in ("", "a,,b", "a b", "r\u00e9", "x" * 5000, many, "r1,"):  # never trusted, never an error
+        assert learned_ids({LEARNED_KEY: hostile}) == []
+    assert learned_ids(None) == [] and learned_ids({}) == [] and learned_ids({LEARNED_KEY: "a,b-c_9"}) == ["a", "b-c_9"]
+
+
+def test_a_transient_read_error_refuses_the_request_and_keeps_the_newer_file(tmp_path, monkeypatch):
+    """A's copy is at version 0; the file is at version 5. A header read that fails with EIO
+    must not read as "version 0" (A would take its copy for current and save version 1 over
+    the file): the request is refused (503), the file and A's version untouched, and the next
+    request reloads the file."""
+    import errno
+
+    import safetensors
+
+    from recap.serve.tenants import MemoryUnavailable
+
+    target = load_target("tiny-llama")
+    a = SharedTenantStreams("recap", target.vocab_size, tmp_path, 4096)
+    b = SharedTenantStreams("recap", target.vocab_size, tmp_path, 4096)
+    engine_a, engine_b = Engine(target, a, max_batch=1), Engine(target, b, max_batch=1)
+    path = tmp_path / "t.safetensors"
+    real, failing = safetensors.safe_open, []
+
+    def safe_open(*args, **kwargs):
+        if failing:
+            failing.pop()
+            raise OSError(errno.EIO, "Input/output error")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(safetensors, "safe_open", safe_open)
+    try:
+        a.hold("t")  # no file yet: A's copy is an empty stream at version 0
+        a.release("t")
+        assert "t" in a.streams and a.versions["t"] == 0
+        _request(engine_b, b, "t", PROMPTS[0])
+        b.streams["t"].memory_snapshot().write(path, {VERSION_KEY: "5", REQUESTS_KEY: "5"})
+        failing.append(True)
+        job = Job(tenant="t", inputs=target.prepare(PROMPTS[1], None), max_tokens=6, emit=lambda event: None)
+        events = list(locked_events(engine_a, a, job))
+        assert file_version(memory_metadata(path)) == 5  # the old code saved its version 1 over it
+        assert [(e["type"], e.get("status")) for e in events] == [("error", 503)] and a.versions["t"] == 0
+        failing.append(True)
+        with pytest.raises(MemoryUnavailable):
+            a.hold("t")
+        assert not a.holding("t")
+        b.hold("t", deadline=time.monotonic() + 5)  # A let the lock go
+        b.release("t")
+        _request(engine_a, a, "t", PROMPTS[1])  # the file reads again: A reloads it first
+        metadata = memory_metadata(path)
+        assert a.reloads == 1 and (metadata[VERSION_KEY], metadata[REQUESTS_KEY]) == ("6", "6")
+    finally:
+        engine_a.shutdown(5)
+        engine_b.shutdown(5)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 
 import pytest
@@ -137,3 +138,114 @@ def test_a_scaled_engine_refuses_with_503_reasons_when_it_cannot_take_jobs():
             engine.submit(job)
     finally:
         engine._stop.set()
+
+
+def test_a_draining_scaled_engine_ends_its_requests_with_503_after_the_grace(monkeypatch):
+    """`ScaledEngine.drain` (SIGTERM with --replicas): a new request is refused with
+    `ShuttingDown`; the one in flight runs through the grace, then is cancelled on its
+    replica and answered 503 ``shutting_down`` (not the 499 of a client that left). Fake Ray
+    modules and replica: no cluster."""
+    import sys
+    import threading
+    import types
+
+    from recap.serve.engine import Job, ShuttingDown
+    from recap.serve.scale import ScaledEngine
+
+    ray = types.ModuleType("ray")
+    exceptions = types.ModuleType("ray.exceptions")
+    exceptions.ActorUnavailableError = exceptions.RayActorError = type("Never", (Exception,), {})
+    ray.exceptions, ray.get = exceptions, (lambda ref: ref)
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setitem(sys.modules, "ray.exceptions", exceptions)
+    cancelled = threading.Event()
+
+    class Handle:
+        def __init__(self):
+            self.decode = types.SimpleNamespace(remote=self._decode)
+            self.cancel = types.SimpleNamespace(options=lambda **_: types.SimpleNamespace(
+                remote=lambda request_id: cancelled.set()))
+
+        def _decode(self, *args):
+            def events():  # text until the front cancels the request on this replica
+                while not cancelled.wait(0.01):
+                    yield {"type": "text", "text": "x"}
+                yield {"type": "error", "message": "the request was cancelled", "status": 499}
+            return events()
+
+    engine = ScaledEngine({"r0": Handle()}, max_batch={"r0": 1})
+    events: list[dict] = []
+    try:
+        job = Job(tenant="t", inputs=None, max_tokens=1, emit=events.append)
+        engine.submit(job)
+        deadline = time.monotonic() + 30
+        while not events:
+            assert time.monotonic() < deadline, "the request never started"
+            time.sleep(0.01)
+        engine.drain(0.2)
+        with pytest.raises(ShuttingDown):
+            engine.submit(Job(tenant="t", inputs=None, max_tokens=1, emit=lambda event: None))
+        while events[-1]["type"] == "text":
+            assert time.monotonic() < deadline + 30, "the request was never ended"
+            time.sleep(0.01)
+    finally:
+        engine._stop.set()
+    assert events[-1]["status"] == 503 and events[-1]["code"] == "shutting_down", events[-1]
+
+
+def test_failover_kills_the_replica_it_gave_up_on_before_retrying(monkeypatch):
+    """Ray reports the tenant's replica unavailable mid-request (it may still be alive): the
+    front kills it before the request runs again on the other replica, which gets the same
+    request id (the memory learns from a request once). Fake Ray modules: no cluster."""
+    import sys
+    import types
+
+    from recap.serve.engine import Job
+    from recap.serve.scale import ScaledEngine
+
+    calls: list[tuple] = []
+    exceptions = types.ModuleType("ray.exceptions")
+
+    class ActorUnavailableError(Exception):
+        pass
+
+    class RayActorError(Exception):
+        pass
+
+    exceptions.ActorUnavailableError, exceptions.RayActorError = ActorUnavailableError, RayActorError
+    ray = types.ModuleType("ray")
+    ray.exceptions = exceptions
+    ray.get = lambda ref: ref
+    ray.kill = lambda handle, no_restart=False: calls.append(("kill", handle.name, no_restart))
+    monkeypatch.setitem(sys.modules, "ray", ray)
+    monkeypatch.setitem(sys.modules, "ray.exceptions", exceptions)
+
+    class Handle:
+        def __init__(self, name: str):
+            self.name, self.unavailable = name, False
+            self.decode = types.SimpleNamespace(remote=self._decode)
+
+        def _decode(self, request_id, tenant, *args):
+            calls.append(("decode", self.name, request_id))
+
+            def events():
+                if self.unavailable:
+                    raise ActorUnavailableError("unreachable")
+                yield {"type": "done", "text": "the answer"}
+
+            return events()
+
+    handles = {name: Handle(name) for name in _names(2)}
+    engine = ScaledEngine(handles, max_batch=dict.fromkeys(handles, 1))
+    owner = engine.router.owner("t")
+    other = next(name for name in handles if name != owner)
+    handles[owner].unavailable = True
+    events: list[dict] = []
+    try:
+        engine._drive(Job(tenant="t", inputs=None, max_tokens=1, emit=events.append))
+    finally:
+        engine._stop.set()
+    assert events == [{"type": "done", "text": "the answer"}]
+    request_id = calls[0][2]
+    assert calls == [("decode", owner, request_id), ("kill", owner, True), ("decode", other, request_id)]
+    assert engine.dead == {owner} and engine.retried == 1

@@ -627,3 +627,118 @@ def test_shutdown_writes_every_waiting_save_before_it_lets_the_folder_go(tmp_pat
     assert len(keys) and np.array_equal(keys, file_keys) and np.array_equal(ids, file_ids)
     assert np.allclose(probs, file_probs, atol=1e-6)  # the file holds them as float32
     assert loaded.store.flat() == stream.store.flat() and len(loaded.store.flat()) > 1
+
+
+def _blocking_prepare(monkeypatch, target, release):
+    """Make ``target.prepare`` wait for ``release`` on prompts holding "slow"; returns the
+    list of prompts it was asked to prepare."""
+    prepared, prepare = [], target.prepare
+
+    def blocking(messages, image=None):
+        text = json.dumps(messages)
+        prepared.append(text)
+        if "slow" in text:
+            assert release.wait(60), "never released"
+        return prepare(messages, image)
+
+    monkeypatch.setattr(target, "prepare", blocking)
+    return prepared
+
+
+def _hold_preparation(url: str, monkeypatch):
+    """A request ("slow one") that holds the preparation slot until ``release`` is set; returns
+    (release, prompts prepared, [its response], its thread) once it is being prepared."""
+    import threading
+
+    from tests.conftest import load_target
+
+    release = threading.Event()
+    prepared = _blocking_prepare(monkeypatch, load_target("tiny-llama"), release)
+    first: list = []
+    holder = threading.Thread(target=lambda: first.append(httpx.post(url + CHAT, timeout=60, json={
+        "model": "tiny-llama", "max_tokens": 4, "messages": [{"role": "user", "content": "slow one"}]})))
+    holder.start()
+    _wait_for(lambda: prepared, "the first request was never prepared")
+    return release, prepared, first, holder
+
+
+def test_a_client_that_leaves_while_waiting_to_be_prepared_costs_no_preparation(monkeypatch):
+    """One request holds the preparation slot; a second client gives up while it waits for it:
+    its request is never prepared nor queued. Before: it was prepared (tokenised, its image
+    through the vision tower) once the slot was free, then queued and decoded."""
+    with serving("tiny-llama", method="ar") as (url, app):
+        release, prepared, first, holder = _hold_preparation(url, monkeypatch)
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(url + CHAT, timeout=httpx.Timeout(30, read=0.5), json={
+                "model": "tiny-llama", "max_tokens": 4, "messages": [{"role": "user", "content": "gone one"}]})
+        time.sleep(0.5)  # the hang-up reaches the server (it is what is tested, not a speed)
+        release.set()
+        holder.join(60)
+        assert first[0].status_code == 200
+        ok = httpx.post(url + CHAT, timeout=60, json={
+            "model": "tiny-llama", "max_tokens": 4, "messages": [{"role": "user", "content": "after"}]})
+        assert ok.status_code == 200
+        assert not any("gone one" in text for text in prepared), prepared
+        assert _metric(url, 'recap_requests_total{status="ok"}') == 2.0
+        assert _metric(url, 'recap_requests_total{status="499"}') == 0.0  # never queued
+
+
+def test_a_request_not_prepared_within_the_limit_gets_503(monkeypatch):
+    """While one request's preparation takes long, another waiting for the slot past
+    ``prepare_timeout`` gets 503 ``prepare_timeout`` with ``Retry-After``; the slow one is
+    still answered. Before: it waited for the slot however long that took."""
+    with serving("tiny-llama", method="ar", prepare_timeout=0.3) as (url, app):
+        release, prepared, first, holder = _hold_preparation(url, monkeypatch)
+        try:
+            late = httpx.post(url + CHAT, timeout=60, json={
+                "model": "tiny-llama", "max_tokens": 4, "messages": [{"role": "user", "content": "waiting"}]})
+        finally:
+            release.set()
+        holder.join(60)
+        assert late.status_code == 503, late.text
+        assert late.json()["error"]["code"] == "prepare_timeout" and late.headers["retry-after"] == "1"
+        assert first[0].status_code == 503  # its own preparation ran past 0.3 s too: dropped, not queued
+        assert not any("waiting" in text for text in prepared)
+
+
+def test_an_image_past_the_image_token_cap_is_refused_before_the_vision_tower(monkeypatch):
+    """``max_image_tokens`` 20 on tiny Qwen2.5-VL: a 224x224 image (66 image tokens) gets 400
+    ``image_too_large`` and never reaches the vision tower; a 48x40 one (8) is answered as
+    greedy decoding answers it. Before: every image the processor took went through the
+    vision tower (Qwen2-VL's processor allows about 16k image tokens)."""
+    from recap.images import synthetic_image
+    from tests.conftest import load_target
+    from tests.test_serve import _data_url
+
+    target = load_target("tiny-qwen2.5-vl")
+    encoded, encode = [], target.encode_images
+    monkeypatch.setattr(target, "encode_images", lambda inputs: encoded.append(1) or encode(inputs))
+    with serving("tiny-qwen2.5-vl", method="ar", max_image_tokens=20) as (url, app):
+        def ask(image):
+            return httpx.post(url + CHAT, timeout=60, json={"model": "tiny-qwen2.5-vl", "max_tokens": 6, "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(image)}},
+                                             {"type": "text", "text": "Describe it."}]}]})
+
+        big = ask(synthetic_image(1, 224, 224))
+        assert big.status_code == 400 and big.json()["error"]["code"] == "image_too_large", big.text
+        assert "66 image tokens" in big.json()["error"]["message"]
+        assert not encoded
+        small_image = synthetic_image(1, 48, 40)
+        small = ask(small_image)
+        assert small.status_code == 200, small.text
+        assert encoded
+        assert small.json()["choices"][0]["message"]["content"] == _greedy_text("tiny-qwen2.5-vl", "Describe it.",
+                                                                                small_image, 6)
+
+
+def test_a_prepared_image_request_keeps_no_pixels():
+    """What waits in the queue for an image prompt is its language rows: the pixels went
+    through the vision tower once (``encode_images``) and are dropped. Before: every queued
+    request also kept its ``pixel_values``."""
+    from recap.images import synthetic_image
+    from tests.conftest import load_target
+
+    target = load_target("tiny-qwen2.5-vl")
+    inputs = target.encode_images(target.prepare("Describe.", synthetic_image(0, 224, 224)))
+    assert inputs.language is not None
+    assert not any(name.startswith("pixel_values") for name in inputs.extra), list(inputs.extra)

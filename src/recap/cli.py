@@ -569,9 +569,15 @@ def _add_serve(commands) -> None:
                             "each: every request sizes its own tree as it would alone")
     serve.add_argument("--max-tokens-limit", type=_positive, default=1024, help="largest max_tokens a request may ask")
     serve.add_argument("--request-timeout", type=_positive, default=300, help="seconds a request may take in all")
+    serve.add_argument("--prepare-timeout", type=_positive, default=30, metavar="SECONDS",
+                       help="seconds a request may wait for and spend in preparation (parse, image, tokens, vision "
+                            "tower; one request at a time) before a 503 prepare_timeout (default 30)")
     serve.add_argument("--max-connections", type=_positive, default=256,
                        help="open connections (and requests in progress) past which uvicorn answers 503 "
                             "(default 256)")
+    serve.add_argument("--shutdown-grace", type=float, default=30.0, metavar="SECONDS",
+                       help="after SIGTERM, seconds the running requests get to finish before they end with a "
+                            "503 event (waiting and new requests get 503 at once; default 30)")
     serve.add_argument("--header-timeout", type=float, default=10.0,
                        help="seconds a client has to send a request's headers before its connection is closed "
                             "(default 10)")
@@ -581,6 +587,9 @@ def _add_serve(commands) -> None:
                        help="largest image file (default 10 MiB)")
     serve.add_argument("--max-image-pixels", type=_positive, default=40_000_000, metavar="N",
                        help="largest image in pixels, checked before decoding (default 40000000)")
+    serve.add_argument("--max-image-tokens", type=_positive, default=4096, metavar="N",
+                       help="most image tokens one image may become (counted after the processor, before the vision "
+                            "tower): past it 400 image_too_large (default 4096)")
     serve.add_argument("--allow-local-images", default=None, metavar="DIR",
                        help="accept image_url parts that are paths of files under DIR (symlinks and '..' resolved; "
                             "default: base64 data: URLs only)")
@@ -605,7 +614,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from recap.models import load
     from recap.serve import ServerConfig, create_app
-    from recap.serve.http import header_deadline_protocol
+    from recap.serve.http import DrainingServer, header_deadline_protocol
     from recap.serve.tenants import read_api_keys
 
     keys = read_api_keys(args.api_keys) if args.api_keys else None
@@ -619,6 +628,8 @@ def _serve(args: argparse.Namespace) -> int:
     if keys is None and not loopback:
         raise InputError(f"--host {args.host} is reachable from other machines: give --api-keys FILE, or serve on "
                          "127.0.0.1")
+    if not args.shutdown_grace >= 0:
+        raise InputError(f"--shutdown-grace must be 0 or more, got {args.shutdown_grace}")
     if not args.header_timeout > 0:
         raise InputError(f"--header-timeout must be positive, got {args.header_timeout}")
     if not 0 <= args.port <= 65535:
@@ -634,8 +645,10 @@ def _serve(args: argparse.Namespace) -> int:
                           memory_rows=args.memory_rows,
                           max_queue=args.max_queue, max_batch=args.max_batch, tenant_share=args.tenant_share,
                           shared_budget=args.batch_budget == "shared", max_tokens_limit=args.max_tokens_limit,
-                          request_timeout=float(args.request_timeout), max_body_bytes=args.max_body_bytes,
+                          request_timeout=float(args.request_timeout), prepare_timeout=float(args.prepare_timeout),
+                          max_body_bytes=args.max_body_bytes,
                           max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+                          max_image_tokens=args.max_image_tokens,
                           allow_local_images=args.allow_local_images)
     make_engine, where = None, f"{torch.get_num_threads()} thread(s)"
     if args.replicas is not None or args.ray_address is not None:
@@ -644,11 +657,15 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(target, config, make_engine)
     print(f"serving {name} with {args.method} on http://{args.host}:{args.port} ({where}; "
           f"{'tenants from ' + args.api_keys if keys else 'one tenant, no keys'})", flush=True)
-    # uvicorn shuts down gracefully on SIGTERM (the request in flight finishes, memories are saved), then
-    # raises the signal again for the previous handler: a no-op one here, so the exit status is 0.
+    # On SIGTERM the engine drains first (waiting requests 503, running ones --shutdown-grace seconds, then
+    # a 503 event), uvicorn closes the connections, the memories are saved; uvicorn then raises the signal
+    # again for the previous handler: a no-op one here, so the exit status is 0.
     signal.signal(signal.SIGTERM, lambda signum, frame: None)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=30,
-                http=header_deadline_protocol(args.header_timeout), limit_concurrency=args.max_connections)
+    server = DrainingServer(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           http=header_deadline_protocol(args.header_timeout),
+                                           limit_concurrency=args.max_connections),
+                            app.state.engine.drain, grace=args.shutdown_grace)
+    server.run()
     return 0
 
 

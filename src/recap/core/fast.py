@@ -621,6 +621,15 @@ class FastMemory:
         copy.unigram = self.unigram.copy()
         return copy
 
+    def __deepcopy__(self, memo: dict) -> FastMemory:
+        """A copy of everything, C and G included (numba's typed maps cannot be pickled, which
+        `copy.deepcopy` would do): a deep copy of a stream (the server's throwaway copy for a
+        request its memory already holds, `recap.serve.shared`) drafts exactly as the stream."""
+        copy = self.snapshot()
+        copy.bigram, copy.trigram = self.bigram.copy(), self.trigram.copy()
+        memo[id(self)] = copy
+        return copy
+
     # -------------------------------------------------------------- storage
     def _reserve(self, need: int) -> None:
         """Room for ``need`` more rows: the pool doubles when full."""

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError  # chat templates' refusals (torch and transformers' templates need jinja2)
@@ -95,6 +96,13 @@ class ServerConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     max_image_bytes: int = MAX_IMAGE_BYTES
     max_image_pixels: int = MAX_IMAGE_PIXELS
+    max_image_tokens: int = 4096
+    """Most image tokens (the model's placeholders for one image, counted after its processor
+    ran and before its vision tower does) a request may bring: the vision tower's time and each
+    queued request's embeddings grow with them (Qwen2-VL's processor alone allows ~16k)."""
+    prepare_timeout: float = 30.0
+    """Seconds a request may wait for the preparation slot and be prepared in (parse, image,
+    tokens, vision tower; one request at a time) before a 503 ``prepare_timeout``."""
     allow_local_images: str | os.PathLike | None = None
     """A folder: ``image_url`` paths are read under it only (after resolving symlinks and
     ``..``). None: base64 ``data:`` URLs only."""
@@ -120,7 +128,11 @@ def _checked(config: ServerConfig) -> ImagePolicy:
     if config.max_batch is not None and (isinstance(config.max_batch, bool) or not isinstance(config.max_batch, int)
                                          or config.max_batch < 1):
         raise InputError(f"max_batch must be a positive integer, got {config.max_batch!r}")
-    for name in ("max_queue", "max_tokens_limit", "max_body_bytes", "max_image_bytes", "max_image_pixels"):
+    if isinstance(config.prepare_timeout, bool) or not isinstance(config.prepare_timeout, (int, float)) or \
+            not config.prepare_timeout > 0:
+        raise InputError(f"prepare_timeout must be a positive number of seconds, got {config.prepare_timeout!r}")
+    for name in ("max_queue", "max_tokens_limit", "max_body_bytes", "max_image_bytes", "max_image_pixels",
+                 "max_image_tokens"):
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise InputError(f"{name} must be a positive integer, got {value!r}")
@@ -399,7 +411,16 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
                                 f"{target.max_context} tokens can hold", code="context_length_exceeded")
         image = read_image_url(chat.image_url, images) if chat.image_url is not None else None
         try:
-            return chat, target.encode_images(target.prepare(chat.messages, image))
+            inputs = target.prepare(chat.messages, image)
+            if image is not None:  # before the vision tower runs: it is what costs
+                count = int(np.isin(inputs.input_ids[0].numpy(), list(target.excluded_tokens)).sum())
+                if count > config.max_image_tokens:
+                    raise ApiError(400, f"the image becomes {count} image tokens for {config.model_name}, more than "
+                                        f"this server's limit of {config.max_image_tokens}; send a smaller image",
+                                   code="image_too_large")
+            return chat, target.encode_images(inputs)
+        except ApiError:
+            raise
         except InputError as error:
             raise ApiError(400, str(error)) from None
         except TemplateError as error:  # the model's chat template refuses the messages (roles, order)
@@ -442,8 +463,8 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
                 raise ApiError(408, "the request body did not arrive within the server's time limit",
                                code="request_timeout")
             raw = reading.result()
-            async with preparing:
-                chat, inputs = await run_in_threadpool(prepare, raw)
+            chat, inputs = await _prepared(request, raw, preparing, prepare, deadline,
+                                           time.monotonic() + config.prepare_timeout)
             del raw
             prompt_len = inputs.input_ids.shape[1]
             limit, what = target.max_context, "context"
@@ -495,7 +516,7 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
                     return JSONResponse(completion(request_id, config.model_name, event["text"],
                                                    event["stop_reason"], event["usage"], event["recap"]))
                 if event["type"] == "error":
-                    raise ApiError(event.get("status", 500), redact(event["message"]),
+                    raise ApiError(event.get("status", 500), redact(event["message"]), code=event.get("code"),
                                    type="server_error" if event.get("status", 500) >= 500 else "request_error")
         finally:
             watcher.cancel()
@@ -523,7 +544,7 @@ def create_app(target: TargetModel, config: ServerConfig, make_engine: Callable[
                     break
                 else:
                     status = event.get("status", 500)
-                    yield _sse(ApiError(status, redact(event["message"]),
+                    yield _sse(ApiError(status, redact(event["message"]), code=event.get("code"),
                                         type="server_error" if status >= 500 else "request_error").body())
                     break
             yield "data: [DONE]\n\n"
@@ -541,6 +562,64 @@ def _tenant_limit(config: ServerConfig, engine: Any) -> int | None:
         return None
     lanes = getattr(engine, "max_batch", None) or engine.batch.max_batch
     return max(1, int(config.tenant_share * (config.max_queue + lanes)))
+
+
+class ClientGone(ApiError):
+    """The client hung up before its request was prepared: nothing is prepared or queued for it
+    (the 499 answer reaches no one)."""
+
+    def __init__(self) -> None:
+        super().__init__(499, "the client closed the connection", code="client_closed_request")
+
+
+async def _prepared(request: Request, raw: bytearray, preparing: asyncio.Semaphore,
+                    prepare: Callable[[bytearray], Any], deadline: float, prepare_deadline: float) -> Any:
+    """``prepare(raw)`` in a worker thread, one request at a time (``preparing``), watching the
+    client meanwhile: a client that hangs up while its request waits for the preparation slot
+    is dropped without any work (`ClientGone`), one that hung up during its preparation is not
+    queued. Past ``prepare_deadline`` (``prepare_timeout`` after its body arrived) the request
+    gets 503 ``prepare_timeout``, past ``deadline`` (the request's own) 504; a preparation
+    already running finishes in its thread, its result dropped, and only then lets the next
+    one in: memory stays bounded."""
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    started = False
+
+    async def run() -> Any:
+        nonlocal started
+        async with preparing:
+            if gone.is_set():
+                raise ClientGone
+            started = True
+            return await run_in_threadpool(prepare, raw)
+
+    watcher, work = asyncio.ensure_future(watch()), asyncio.ensure_future(run())
+    goodbye = asyncio.ensure_future(gone.wait())
+    try:
+        await asyncio.wait({work, goodbye}, timeout=max(0.0, min(deadline, prepare_deadline) - time.monotonic()),
+                           return_when=asyncio.FIRST_COMPLETED)
+        if gone.is_set():
+            raise ClientGone
+        if not work.done() and time.monotonic() >= deadline:
+            raise ApiError(504, "the request ran past the server's time limit before it was prepared",
+                           type="server_error", code="request_timeout")
+        if not work.done():
+            raise ApiError(503, "the request could not be prepared (parsed, its image read, tokenised) within the "
+                                "server's time limit; retry later", type="server_error", code="prepare_timeout",
+                           headers={"Retry-After": "1"})
+        return work.result()
+    finally:
+        for task in (watcher, goodbye):
+            task.cancel()
+        if not work.done() and not started:
+            work.cancel()  # still waiting for the slot: it leaves the line
+        elif not work.done():  # preparing: it keeps the slot until its thread is done, its result dropped
+            work.add_done_callback(lambda task: task.cancelled() or task.exception())
 
 
 async def _cancel_on_disconnect(request: Request, job: Job) -> None:

@@ -16,6 +16,7 @@ tenant's requests that overlap run on forks of its stream (`Proposer.fork_reques
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -49,6 +50,10 @@ class ShuttingDown(Unavailable):
     """The engine refuses new jobs: it is shutting down."""
 
     code = "shutting_down"
+
+
+SHUTTING_DOWN = {"type": "error", "message": "the server is shutting down", "status": 503, "code": "shutting_down"}
+"""The final event of a request the server ends because it is going down (copied per use)."""
 
 
 class NoReplica(Unavailable):
@@ -190,6 +195,12 @@ class Job:
     deadline: float = float("inf")
     cancelled: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.monotonic)
+    request_id: str | None = None
+    """An id the request keeps when it is run again (`recap.serve.scale`), handed to the
+    tenant's save with it (`recap.serve.shared` lists it in the memory file)."""
+    learn: bool = True
+    """False: the tenant's memory already holds this request (`recap.serve.shared`): it is
+    answered from a throwaway copy of the tenant's stream, not counted and not saved."""
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -268,6 +279,20 @@ class Engine:
             self._jobs.append(job)
             self._wake.notify()
 
+    def drain(self, grace: float) -> None:
+        """Begin shutting down without waiting (`recap.serve.http.DrainingServer` calls it on
+        SIGTERM): new jobs are refused (503 ``shutting_down``), the waiting ones answered so
+        now, and the running ones get ``grace`` seconds to finish, after which each ends with
+        a 503 ``shutting_down`` event. `shutdown` (after the HTTP server closed) then saves."""
+        with self._lock:
+            self._accepting = False
+            waiting, self._jobs = list(self._jobs), deque()
+            self._drain_deadline = time.monotonic() + grace
+            self._wake.notify()
+        for job in waiting:
+            job.cancel()
+            self._finish(job, dict(SHUTTING_DOWN))
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Refuse new jobs, cancel the waiting ones, let the running ones finish (or cancel
         them after ``timeout``), then save every tenant's memory and wait for the saver to
@@ -279,7 +304,7 @@ class Engine:
             self._wake.notify()
         for job in waiting:
             job.cancel()
-            self._finish(job, {"type": "error", "message": "the server is shutting down", "status": 503})
+            self._finish(job, dict(SHUTTING_DOWN))
         self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("the requests in flight did not finish within %.0f s; cancelling them", timeout)
@@ -294,6 +319,8 @@ class Engine:
     # ------------------------------------------------------------------ worker
     _cancel_current = False
     _admitting = False
+    _drain_deadline = float("inf")
+    """When `drain` began, plus its grace: running requests past it end with a 503."""
 
     def _run(self) -> None:
         stopping = False
@@ -361,7 +388,10 @@ class Engine:
         lock.acquire()
         try:
             stream = self.tenants.stream(job.tenant)
-            proposer = stream.fork_request() if self._in_flight.get(job.tenant) else stream
+            if not job.learn:  # a copy of the stream itself: it has no parent to merge into
+                proposer = copy.deepcopy(stream)
+            else:
+                proposer = stream.fork_request() if self._in_flight.get(job.tenant) else stream
             if proposer.wants_cost and self.batch.cost is None:
                 self.batch.cost = self.target.verify_cost()
             lane = (self.target.fork() if self.batch.max_batch > 1 else None) or self.target
@@ -405,7 +435,9 @@ class Engine:
         limit leave the batch."""
         now = time.monotonic()
         for active in list(self._active.values()):
-            if active.job.cancelled.is_set() or self._cancel_current:
+            if now > self._drain_deadline or self._cancel_current:  # the server is going down: 503, not 499
+                event = dict(SHUTTING_DOWN)
+            elif active.job.cancelled.is_set():
                 event = {"type": "error", "message": "the request was cancelled", "status": 499}
             elif now > active.job.deadline:
                 event = {"type": "error", "message": "the request ran past the server's time limit", "status": 504}
@@ -452,7 +484,8 @@ class Engine:
         if not self._in_flight[job.tenant]:
             del self._in_flight[job.tenant]
         try:  # a copy, with the lock held: what the request learned, on disk within the saver's lag
-            self.tenants.save_request(job.tenant)
+            if job.learn:
+                self.tenants.save_request(job.tenant, job.request_id)
         except Exception:  # noqa: BLE001
             log.exception("tenant %s: saving its memory failed", job.tenant)
         finally:

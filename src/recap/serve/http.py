@@ -1,4 +1,5 @@
-"""The connection layer under the app: uvicorn's h11 protocol with a deadline for headers.
+"""The connection layer under the app: uvicorn's h11 protocol with a deadline for headers,
+and uvicorn's server with a shutdown that answers every request.
 
 uvicorn has no header timeout: a connection that has sent part of its request line or headers
 (its keep-alive timer stops at the first byte) is held for ever, before the app sees a request,
@@ -13,18 +14,33 @@ uvicorn has no write timeout either: a client that stops reading a response (a s
 never consumes) blocks the send once the socket's and the transport's buffers are full, and
 the connection is held for ever after its request has ended. Here a connection whose writes
 stay paused (buffer full) for ``write_timeout`` seconds is aborted.
+
+uvicorn's own SIGTERM handling waits for the connections to close, then cancels the handlers
+still running: a stream is cut without its last event, a waiting request gets nothing or a
+plain 500. `DrainingServer` first drains the engine (new requests and waiting ones 503, the
+running ones ``grace`` seconds to finish, then ended with a 503 event) and gives uvicorn a
+longer grace, so every client gets a final answer before any handler is cancelled.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Callable
+from types import FrameType
 
+import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 HEADER_TIMEOUT = 10.0
 """Seconds a client has to send a request's line and headers (nginx's default is 60)."""
 WRITE_TIMEOUT = 30.0
 """Seconds a response may wait for a client that stopped reading (nginx's send_timeout is 60)."""
+SHUTDOWN_GRACE = 30.0
+"""Seconds the requests in flight get to finish after SIGTERM (``recap serve --shutdown-grace``)."""
+ANSWER_MARGIN = 5.0
+"""uvicorn's own grace exceeds the engine's by this much: time for the final events of the
+requests the engine ended to reach their clients before uvicorn cancels any handler."""
 
 
 def header_deadline_protocol(header_timeout: float = HEADER_TIMEOUT,
@@ -92,3 +108,26 @@ def header_deadline_protocol(header_timeout: float = HEADER_TIMEOUT,
             super().connection_lost(exc)
 
     return HeaderDeadlineProtocol
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose first exit signal (SIGTERM, Ctrl-C) drains ``drain(grace)``
+    before uvicorn's own shutdown: the engine refuses new requests with 503, answers the
+    waiting ones 503 and gives the running ones ``grace`` seconds, after which it ends them
+    with a 503 event; uvicorn waits ``grace`` + `ANSWER_MARGIN` seconds for the connections
+    to close, so no handler is cancelled before its client has its answer."""
+
+    def __init__(self, config: uvicorn.Config, drain: Callable[[float], None], grace: float = SHUTDOWN_GRACE):
+        config.timeout_graceful_shutdown = grace + ANSWER_MARGIN
+        super().__init__(config)
+        self.grace = grace
+        self._drain = drain
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self._draining:
+            self._draining = True
+            # on a thread of its own: this signal handler may have interrupted the loop's thread
+            # inside the engine's lock, which draining takes
+            threading.Thread(target=self._drain, args=(self.grace,), name="recap-drain", daemon=True).start()
+        super().handle_exit(sig, frame)

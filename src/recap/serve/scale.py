@@ -7,11 +7,15 @@ one replica unless it is hot) and forwards the replica's events. A replica (`Rep
 actor) is the single server's `Engine` over `recap.serve.shared.SharedTenantStreams`, whose
 file locks and versions keep the memory folder right whichever replica a request lands on.
 
-A replica that dies with a request in flight has it run again once on another replica,
-unless the request is streamed and its text had started: that stream ends with an error
-event (a stream cannot take text back; a non-streamed answer is only the final event, and
-greedy or seeded decoding gives it again). The dead replica leaves the ring, so new requests
-go to the survivors. A dead replica is not restarted.
+A replica that dies (or that Ray reports unavailable) with a request in flight has it run
+again once on another replica, unless the request is streamed and its text had started: that
+stream ends with an error event (a stream cannot take text back; a non-streamed answer is
+only the final event, and greedy or seeded decoding gives it again). The replica given up on
+is killed first (an unavailable one may still be alive: it must neither decode nor save any
+more), leaves the ring, so new requests go to the survivors, and is not restarted. A request
+keeps one id across its attempts; a replica's save lists it in the tenant's file, so a
+replica that died between its save and its last event leaves the retry nothing to learn
+(`recap.serve.shared.locked_events`): a request is learned from, and counted, once.
 
 Only this module imports Ray, and only once `connect` runs (``recap serve --replicas`` or
 ``--ray-address``): a private instance must be told before Ray's first import to keep to the
@@ -33,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recap.errors import InputError
-from recap.serve.engine import Engine, Job, NoReplica, QueueFull, ShuttingDown
+from recap.serve.engine import SHUTTING_DOWN, Engine, Job, NoReplica, QueueFull, ShuttingDown
 from recap.serve.router import TenantRouter
 from recap.serve.shared import FINAL, SharedTenantStreams, locked_events
 
@@ -103,9 +107,10 @@ class Replica:
                stop: tuple[str, ...] = ()):
         """The request's events, as `Engine` emits them (a Ray streaming generator). The
         tenant's lock is taken before the request is queued and let go after its save, just
-        before its final event."""
+        before its final event. ``request_id`` is the same for every attempt of one request
+        (its save lists it: a request is learned from once)."""
         job = Job(tenant=tenant, inputs=inputs, max_tokens=max_tokens, sampling=sampling, emit=lambda event: None,
-                  deadline=time.monotonic() + seconds, stop=stop)
+                  deadline=time.monotonic() + seconds, stop=stop, request_id=request_id)
         self._jobs[request_id] = job
         try:
             yield from locked_events(self.engine, self.tenants, job)
@@ -210,6 +215,7 @@ class ScaledEngine:
     def _drive(self, job: Job) -> None:
         final: dict[str, Any] = {"type": "error", "message": "internal server error", "status": 500}
         tried: list[str] = []
+        request_id = secrets.token_hex(16)  # one for every attempt: the memory learns from the request once
         try:
             while True:
                 if job.cancelled.is_set():
@@ -220,7 +226,7 @@ class ScaledEngine:
                     final = {"type": "error", "message": "no replica is running", "status": 503}
                     break
                 tried.append(replica)
-                started, final = self._attempt(job, replica)
+                started, final = self._attempt(job, replica, request_id)
                 if final is not None:
                     break
                 # the replica died: once more, elsewhere, unless a stream had shown text (a non-streamed
@@ -233,18 +239,20 @@ class ScaledEngine:
         except Exception:  # noqa: BLE001 - the request must be answered
             log.exception("request failed")
         finally:
+            if self._grace_over and final.get("status") == 499:  # ended by the shutdown, not by its client
+                final = dict(SHUTTING_DOWN)
             job.emit(final)
             if self.on_finish is not None:
                 self.on_finish(job, final)
             with self._lock:
                 self._threads.discard(threading.current_thread())
 
-    def _attempt(self, job: Job, replica: str) -> tuple[bool, dict[str, Any] | None]:
-        """Run the job on one replica: (whether text was sent, the final event; None when the replica died)."""
+    def _attempt(self, job: Job, replica: str, request_id: str) -> tuple[bool, dict[str, Any] | None]:
+        """Run the job on one replica: (whether text was sent, the final event; None when the
+        replica died or became unreachable: it is then killed, before any retry)."""
         import ray
         from ray.exceptions import ActorUnavailableError, RayActorError
 
-        request_id = secrets.token_hex(8)
         started = False
         with self._lock:
             self._running[id(job)] = (job, replica, request_id)
@@ -262,6 +270,7 @@ class ScaledEngine:
                              "status": 500}
         except (RayActorError, ActorUnavailableError) as error:
             log.error("replica %s is gone (%s); new requests go to the others", replica, type(error).__name__)
+            self._kill(replica)
             self._mark_dead(replica)
             return started, None
         finally:
@@ -269,6 +278,14 @@ class ScaledEngine:
                 self._running.pop(id(job), None)
                 self._cancel_sent.pop(request_id, None)
             self.router.release(replica)
+
+    def _kill(self, replica: str) -> None:
+        """Kill a replica given up on: one Ray reports unavailable may still be alive, and must
+        not go on decoding and saving while its requests run again elsewhere."""
+        import ray
+
+        with contextlib.suppress(Exception):
+            ray.kill(self.handles[replica], no_restart=True)
 
     def _mark_dead(self, replica: str) -> None:
         with self._lock:
@@ -290,6 +307,26 @@ class ScaledEngine:
                     control(self.handles[replica], "cancel").remote(rid)
 
     # ------------------------------------------------------------------ shutdown
+    def drain(self, grace: float) -> None:
+        """Begin shutting down without waiting (`recap.serve.http.DrainingServer`, on SIGTERM):
+        new requests get 503 ``shutting_down``; those in flight (decoding or waiting on a
+        replica) get ``grace`` seconds, then are cancelled and answered 503 ``shutting_down``."""
+        with self._lock:
+            self._accepting = False
+        timer = threading.Timer(grace, self._end_grace)
+        timer.daemon = True
+        timer.start()
+
+    def _end_grace(self) -> None:
+        with self._lock:
+            self._grace_over = True
+            running = [job for job, _, _ in self._running.values()]
+        for job in running:
+            job.cancel()
+
+    _grace_over = False
+    """`drain`'s grace has ended: a request cancelled now ends with 503, not 499."""
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Refuse new requests, let those in flight finish (cancel them after ``timeout``),
         stop the replicas (every request's memory is saved at its end) and, if this process

@@ -1,8 +1,9 @@
 """Tenant memories shared by several server processes (``recap serve --replicas``): the memory
 folder is the source of truth, whichever replica a tenant's request lands on.
 
-Each tenant's file carries, in its safetensors metadata, a save version (``recap_revision``)
-and the count of the tenant's requests it includes (``recap_requests``). A replica decodes a
+Each tenant's file carries, in its safetensors metadata, a save version (``recap_revision``),
+the count of the tenant's requests it includes (``recap_requests``) and the ids of the last
+`LEARNED_IDS` of them (``recap_learned``). A replica decodes a
 tenant's request only while it holds the tenant's lock: an exclusive BSD lock
 (``fcntl.flock``) on ``<tenant>.lock`` beside the memory file (a file of its own: a save
 replaces the memory file by a rename, which would drop a lock held on it). Taking the lock
@@ -14,7 +15,16 @@ So no save is ever based on a stale copy: no request's learning is lost, and a f
 request count is exactly the requests it learned from. As in the single server, the decoder
 only copies the stream (with version and count) and the saver thread writes it
 (`recap.serve.saver`); `release` waits for that write before it lets the lock go, so the
-order above holds, and a write that failed makes the next hold reload the file.
+order above holds, and a write that failed makes the next hold reload the file. A header
+that cannot be read for a reason that may pass (EIO, EMFILE) refuses the request
+(`MemoryUnavailable`, a 503) and touches neither the file nor the copy's version; only a
+damaged one counts as version 0 (its load then moves the file aside).
+
+A request keeps its id when the front runs it again on another replica
+(`recap.serve.scale`). A replica that dies after its save but before its answer reached the
+front has learned from the request already: the file lists the id, so the retry is answered
+from a throwaway copy of the stream and neither counted nor saved (`locked_events`): a
+request is learned from once.
 
 The lock is handed over rather than raced for: a waiting replica holds a shared lock on
 ``<tenant>.want``; a replica holding the tenant sees it and queues no further request of the
@@ -35,6 +45,7 @@ import fcntl
 import logging
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -45,11 +56,16 @@ from typing import Any
 from recap.core.persistence import TEMPORARY, parse_count, private_folder
 from recap.errors import InputError
 from recap.serve.engine import Engine, Job, QueueFull
-from recap.serve.tenants import TenantStreams
+from recap.serve.tenants import MemoryUnavailable, TenantStreams
 
 log = logging.getLogger("recap.serve")
 VERSION_KEY = "recap_revision"
 REQUESTS_KEY = "recap_requests"
+LEARNED_KEY = "recap_learned"
+LEARNED_IDS = 64
+"""Ids of the last requests a file learned from that it lists (comma-separated, oldest first)."""
+REQUEST_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
+"""What a listed request id may be (`recap.serve.scale` sends 32 hex digits)."""
 STALE_TEMPORARY_S = 3600.0
 """A save's temporary file older than this is a dead writer's (a save takes seconds). Process
 ids cannot tell, as the single server's cleanup does: the writer may be on another machine."""
@@ -69,7 +85,9 @@ class TenantBusy(Exception):
 
 def memory_metadata(path: str | os.PathLike) -> dict[str, str] | None:
     """The string metadata of a memory file (its header only: no tensor is read), None when
-    there is no file; an unreadable file gives ``{}`` (its load then moves it aside)."""
+    there is no file; a damaged file gives ``{}`` (its load then moves it aside). A read that
+    failed for a reason that may pass (EIO, EMFILE: an `OSError`) raises `MemoryUnavailable`:
+    the file may be fine, and taking it for version 0 could save an older copy over it."""
     from safetensors import safe_open
 
     try:
@@ -77,6 +95,9 @@ def memory_metadata(path: str | os.PathLike) -> dict[str, str] | None:
             return dict(handle.metadata() or {})
     except FileNotFoundError:
         return None
+    except OSError as error:
+        raise MemoryUnavailable(f"memory file {Path(path).name} could not be read just now "
+                                f"({error.strerror or error}); retry") from None
     except Exception:  # noqa: BLE001 - safetensors raises several types for damaged files
         return {} if os.path.exists(path) else None
 
@@ -89,6 +110,19 @@ def file_version(metadata: dict[str, str] | None) -> int:
         return parse_count(metadata.get(VERSION_KEY, "0"))
     except ValueError:  # "²" passes isdigit() and fails int(): not a version this module wrote
         return -1
+
+
+def learned_ids(metadata: dict[str, str] | None) -> list[str]:
+    """The ids of the last requests a file learned from (``recap_learned``), oldest first;
+    ``[]`` without the field and for a value this module did not write (damaged or hostile:
+    never trusted further, never an error)."""
+    value = (metadata or {}).get(LEARNED_KEY, "")
+    if not isinstance(value, str) or not value or len(value) > LEARNED_IDS * 65:
+        return []
+    ids = value.split(",")
+    if len(ids) > LEARNED_IDS or not all(REQUEST_ID.fullmatch(one) for one in ids):
+        return []
+    return ids
 
 
 def remove_old_temporaries(folder: str | os.PathLike, age_s: float = STALE_TEMPORARY_S) -> list[str]:
@@ -140,6 +174,8 @@ class SharedTenantStreams(TenantStreams):
         """The file version each tenant's stream was loaded from or last saved as."""
         self.requests: dict[str, int] = {}
         """Each tenant's requests counted in its stream (persisted with it)."""
+        self.learned: dict[str, list[str]] = {}
+        """The ids of each tenant's last requests counted in its stream (persisted with it)."""
         self.reloads = 0
         self._holds: dict[str, _Hold] = {}
         self._holds_guard = threading.Lock()
@@ -278,8 +314,14 @@ class SharedTenantStreams(TenantStreams):
             finally:
                 os.close(fd)
 
+    def learned_from(self, tenant: str, request_id: str | None) -> bool:
+        """Whether the tenant's stream has learned from the request already (its file lists
+        the id). Only meaningful while this process holds the tenant (`hold`)."""
+        return request_id is not None and request_id in self.learned.get(tenant, ())
+
     def _refresh(self, tenant: str) -> None:
-        """Under the lock: make the tenant's stream the file's, unless it already is."""
+        """Under the lock: make the tenant's stream the file's, unless it already is. A header
+        that cannot be read just now raises `MemoryUnavailable`, with nothing changed."""
         path = self.path(tenant)
         metadata = memory_metadata(path)
         version = file_version(metadata)
@@ -295,13 +337,15 @@ class SharedTenantStreams(TenantStreams):
             metadata, version = None, 0
         requests = (metadata or {}).get(REQUESTS_KEY, "0")
         self.versions[tenant] = max(version, 0)
+        self.learned[tenant] = learned_ids(metadata)
         try:
             self.requests[tenant] = parse_count(requests)
         except ValueError:
             self.requests[tenant] = 0
 
-    def save_request(self, tenant: str) -> bool:
-        """Count the request and save the stream as the next version, with the lock held."""
+    def save_request(self, tenant: str, request_id: str | None = None) -> bool:
+        """Count the request (its id among the last `LEARNED_IDS` learned from) and save the
+        stream as the next version, with the lock held."""
         path = self.path(tenant)
         if path is None:
             return True
@@ -310,6 +354,9 @@ class SharedTenantStreams(TenantStreams):
                 log.error("tenant %s: a request ended without the tenant's lock; its memory is not saved", tenant)
                 return False
             self.requests[tenant] = self.requests.get(tenant, 0) + 1
+            if request_id is not None and REQUEST_ID.fullmatch(request_id):
+                ids = [one for one in self.learned.get(tenant, []) if one != request_id] + [request_id]
+                self.learned[tenant] = ids[-LEARNED_IDS:]
             proposer = self.streams.get(tenant)
             if proposer is None or not hasattr(proposer, "memory_snapshot"):
                 return True
@@ -318,8 +365,9 @@ class SharedTenantStreams(TenantStreams):
                 snapshot = proposer.memory_snapshot()
             except InputError:
                 return True  # nothing learned yet
-            self.saver.submit(tenant, path, snapshot, metadata={VERSION_KEY: str(version),
-                                                                REQUESTS_KEY: str(self.requests[tenant])})
+            self.saver.submit(tenant, path, snapshot, metadata={
+                VERSION_KEY: str(version), REQUESTS_KEY: str(self.requests[tenant]),
+                LEARNED_KEY: ",".join(self.learned.get(tenant, []))})
             self.versions[tenant] = version
         return True
 
@@ -337,8 +385,10 @@ def locked_events(engine: Engine, tenants: SharedTenantStreams, job: Job) -> Ite
     request, `recap.serve.scale.Replica.decode`). The lock is taken before the job is queued
     and let go after the decoder handed the tenant's save over (`Engine._end`) and the saver
     wrote it (`SharedTenantStreams.release`), just before the final event; a caller that
-    stops early still waits for the decoder to be done with the job.
-    ``job.emit`` is replaced."""
+    stops early still waits for the decoder to be done with the job. A job whose
+    ``request_id`` the tenant's file lists already (a retry of a request whose replica died
+    after its save) is answered without learning (``job.learn`` False: a throwaway copy of
+    the stream, not counted, not saved). ``job.emit`` is replaced."""
     events: queue.Queue[dict[str, Any]] = queue.Queue()
     job.emit = events.put
     held = queued = False
@@ -346,10 +396,19 @@ def locked_events(engine: Engine, tenants: SharedTenantStreams, job: Job) -> Ite
         try:
             tenants.hold(job.tenant, job.cancelled, job.deadline)
             held = True
+            if tenants.learned_from(job.tenant, job.request_id):
+                log.info("tenant %s: its memory holds request %s already; answering it without learning",
+                         job.tenant, job.request_id)
+                job.learn = False
             engine.submit(job)
             queued = True
         except TenantBusy as error:
             yield {"type": "error", "message": str(error), "status": 499 if job.cancelled.is_set() else 504}
+            return
+        except MemoryUnavailable as error:
+            log.warning("tenant %s: %s", job.tenant, error)
+            yield {"type": "error", "message": "this tenant's memory could not be read just now; retry",
+                   "status": 503}
             return
         except QueueFull as error:
             yield {"type": "error", "message": f"the server is busy: {error}; retry later", "status": 429}

@@ -221,10 +221,11 @@ class TenantStreams:
             lock.release()
         return True
 
-    def save_request(self, tenant: str) -> bool:
+    def save_request(self, tenant: str, request_id: str | None = None) -> bool:
         """`save` after one of the tenant's requests left the decoder (with its lock held):
         a copy of the memory, written by the saver thread;
-        `recap.serve.shared.SharedTenantStreams` also counts the request and versions the file."""
+        `recap.serve.shared.SharedTenantStreams` also counts the request (``request_id``: its
+        id, listed in the file so that the request is learned once) and versions the file."""
         return self.save(tenant)
 
     def save_all(self, timeout: float | None = None) -> None:

@@ -578,7 +578,12 @@ class TargetModel(BaseTarget):
             embeds=np.ascontiguousarray(seen["embeds"][0].float().numpy()),
             positions=np.ascontiguousarray(rows.cpu().numpy().astype(np.int64)), rope_offset=int(offset),
             first_image_row=int(image_rows[0]) if len(image_rows) else inputs.input_ids.shape[1])
-        return dataclasses.replace(inputs, language=language)
+        mask = inputs.extra.get("attention_mask")
+        if mask is not None and not bool(mask.all()):  # `prefill` runs transformers' forward: it needs the pixels
+            return dataclasses.replace(inputs, language=language)
+        # the pixels have become the language rows: a queued request (a server's) need not keep them
+        kept = {name: value for name, value in inputs.extra.items() if not name.startswith("pixel_values")}
+        return dataclasses.replace(inputs, language=language, extra=kept)
 
     @torch.inference_mode()
     def verify(self, root: int, tree: DraftTree, sampler: Sampler | None = None, position: int = 0) -> VerifiedTree:
