@@ -28,8 +28,11 @@ same model on the same kernels (`TargetModel.reference_generate`; for seeded sam
 - the flooding tenant refused with ``tenant_share_exceeded`` and answered too (no 5xx), and no
   other tenant's good request refused: none starved;
 - the decoder's work for abandoned requests (``recap_abandoned_tokens_total``) reported;
-- the restarted server's RSS at the end within 10% of its RSS after warm-up (the first
-  server's growth until the kill is reported too);
+- the restarted server's RSS flat over the second half of its traffic (within 10%: a leak
+  grows on, while the working set of four tenants' streams and eight full lanes is reached
+  early and stays); its growth since warm-up and the first server's until the kill are
+  reported, and RSS is sampled every few seconds (``rss.series`` in the JSON, and a plot,
+  ``--plot``);
 - SIGTERM at the end exits 0.
 
 Printed: a summary table of status codes by request kind, then the checks; ``--out`` writes
@@ -319,6 +322,52 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+RSS_EVERY_S = 5.0
+"""Seconds between two samples of the server's RSS."""
+
+
+def sample_rss(server: Server, begin: float, series: list, stop: threading.Event) -> None:
+    """Append (seconds since the traffic began, server start number, RSS MiB) every
+    `RSS_EVERY_S` while the soak runs; a sample during the restart is skipped."""
+    while not stop.wait(RSS_EVERY_S):
+        with contextlib.suppress(Exception):  # the server is down (killed, restarting): no sample
+            mib = rss_bytes(server.pid) / 2**20
+            if mib > 0 and server.proc.poll() is None:  # a killed server's zombie reads 0
+                series.append((time.monotonic() - begin, server.starts, mib))
+
+
+def late_rss_growth(series: list, begin_second: float, end: float) -> float | None:
+    """The restarted server's RSS growth over the second half of its traffic: the mean of its
+    last three samples over the mean of the three around that half's start (None: too few)."""
+    second = [(t, mib) for t, start, mib in series if start == 2 and t <= end]
+    middle = begin_second + (end - begin_second) / 2
+    before = [mib for t, mib in second if t <= middle][-3:]
+    last = [mib for _, mib in second][-3:]
+    if len(before) < 3 or len(last) < 3:
+        return None
+    return statistics.mean(last) / statistics.mean(before) - 1
+
+
+def plot_rss(series: list, down_s: float, duration: float, path: str) -> None:
+    """The server's RSS over the soak, one line per server start (the SIGKILL between)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 3.5))
+    for start in sorted({n for _, n, _ in series}):
+        points = [(t, mib) for t, n, mib in series if n == start]
+        axis.plot([t for t, _ in points], [mib for _, mib in points], marker=".",
+                  label="first server" if start == 1 else "after the SIGKILL")
+    axis.set_xlabel("seconds since the traffic began")
+    axis.set_ylabel("RSS (MiB)")
+    axis.set_title(f"recap serve under the soak ({duration:.0f} s of traffic, {down_s:.0f} s down)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
 def rss_bytes(pid: int) -> int:
     try:
         import psutil
@@ -344,10 +393,13 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         self.proc: subprocess.Popen | None = None
+        self.starts = 0
+        """How many times the server was started (1, then 2 after the SIGKILL)."""
 
     def start(self, timeout: float = 300.0) -> float:
         """Start and wait for /health; the seconds it took."""
         start = time.monotonic()
+        self.starts += 1
         with open(self.log, "a") as log:
             log.write(f"\n===== start {time.strftime('%H:%M:%S')}: {' '.join(self.command)}\n")
             log.flush()
@@ -783,6 +835,7 @@ def main() -> int:
     parser.add_argument("--max-batch", type=int, default=8, help="the server's --max-batch")
     parser.add_argument("--keep", action="store_true", help="keep the temporary folder (log, memories, keys)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--plot", default=None, help="draw the server's RSS over time into this PNG")
     args = parser.parse_args()
 
     workdir = Path(tempfile.mkdtemp(prefix="recap-soak-"))
@@ -802,6 +855,7 @@ def main() -> int:
     soak.url = server.url
     result: dict[str, Any] = {"meta": {k: v for k, v in vars(args).items()}, "workdir": str(workdir)}
     rss: dict[str, Any] = {}
+    series: list[tuple[float, int, float]] = []
     threads: list[threading.Thread] = []
     exit_status = None
     after_kill: dict[str, Any] = {}
@@ -812,6 +866,8 @@ def main() -> int:
         print(f"server up in {result['start_s']:.1f} s, warmed up; RSS {rss['first_start'] / 2**20:.1f} MiB",
               flush=True)
         begin = time.monotonic()
+        sampler = threading.Thread(target=sample_rss, args=(server, begin, series, soak.stop), daemon=True)
+        sampler.start()
         soak.up.set()
         threads = [threading.Thread(target=soak.client, args=(i,), daemon=True) for i in range(args.clients)]
         threads += [threading.Thread(target=soak.flood, args=(i,), daemon=True) for i in range(args.flood_clients)]
@@ -858,6 +914,8 @@ def main() -> int:
 
     first_growth = rss["first_before_kill"] / rss["first_start"] - 1
     second_growth = rss["second_end"] / rss["second_start"] - 1
+    late_growth = late_rss_growth(series, begin_second=result.get("down_s", 0.0) + args.duration / 2,
+                                  end=args.duration)
     good_total = sum(n for kind, c in record.counts.items() if kind.startswith("good") for n in c.values())
     checks = {
         "no 5xx": len(record.server_errors) == 0,
@@ -865,7 +923,8 @@ def main() -> int:
         "every good request answered while the server was up": len(record.good_failures) == 0,
         "memory files load after the SIGKILL": after_kill.get("ok", False),
         "memory files load at the end": final["ok"],
-        f"RSS growth after the restart < {RSS_LIMIT:.0%}": second_growth < RSS_LIMIT,
+        f"RSS flat over the restarted server's second half (< {RSS_LIMIT:.0%})":
+            late_growth is not None and late_growth < RSS_LIMIT,
         "SIGTERM exits 0": exit_status == 0,
         "the flooding tenant held to its share and answered too":
             record.counts["flood"].get("429 tenant_share_exceeded", 0) > 0 and record.counts["flood"].get("200", 0) > 0
@@ -883,7 +942,8 @@ def main() -> int:
         "good": {"requests": good_total, "compared": len(record.latencies), "completion_tokens": record.good_tokens,
                  "drafted_tokens": record.drafted, "accepted_tokens": record.accepted,
                  "median_latency_s": statistics.median(record.latencies) if record.latencies else None},
-        "rss": {**rss, "first_growth": first_growth, "second_growth": second_growth},
+        "rss": {**rss, "first_growth": first_growth, "second_growth": second_growth, "late_growth": late_growth,
+                "series": [{"s": round(t, 1), "server": n, "mib": round(m, 1)} for t, n, m in series]},
         "memory_after_kill": after_kill, "memory_at_end": final, "sigterm_exit": exit_status,
         "log": log_findings(log), "references": references,
     })
@@ -901,7 +961,11 @@ def main() -> int:
           f"accepted drafts {g['accepted_tokens']} of {g['drafted_tokens']} drafted")
     print(f"RSS: first server {rss['first_start'] / 2**20:.1f} -> {rss['first_before_kill'] / 2**20:.1f} MiB "
           f"({first_growth:+.1%}) until the kill; restarted {rss['second_start'] / 2**20:.1f} -> "
-          f"{rss['second_end'] / 2**20:.1f} MiB ({second_growth:+.1%})")
+          f"{rss['second_end'] / 2**20:.1f} MiB ({second_growth:+.1%}); over its second half "
+          f"{'n/a' if late_growth is None else f'{late_growth:+.1%}'}")
+    if args.plot:
+        plot_rss(series, result.get("down_s", 0.0), args.duration, args.plot)
+        print(f"RSS over time: {args.plot}")
     print(f"memory files at the end: {final['files']}; leftover temporary files: {final['leftover_temporary']}; "
           f"moved aside: {final['unreadable']}")
     abandoned = result.get("abandoned", {})

@@ -742,3 +742,27 @@ def test_a_prepared_image_request_keeps_no_pixels():
     inputs = target.encode_images(target.prepare("Describe.", synthetic_image(0, 224, 224)))
     assert inputs.language is not None
     assert not any(name.startswith("pixel_values") for name in inputs.extra), list(inputs.extra)
+
+
+def test_a_flooders_job_near_its_time_limit_is_taken_before_the_fair_pick():
+    """The fair pick gives a free lane to the tenant with the fewest requests decoding, so a
+    flooding tenant's queued jobs always came last: in the 600 s soak two of them expired in
+    the queue (504). Now a job that has waited half its time limit goes first; before that,
+    the fair pick stands."""
+    import types
+    from collections import deque
+
+    from recap.serve.engine import Engine, Job
+
+    now = time.monotonic()
+
+    def job(tenant: str, waited: float) -> Job:
+        return Job(tenant=tenant, inputs=None, max_tokens=1, emit=lambda event: None,
+                   submitted=now - waited, deadline=now - waited + 10.0)
+
+    flooder, bob = job("mallory", 6.0), job("bob", 1.0)
+    engine = types.SimpleNamespace(_jobs=deque([flooder, bob]), _in_flight={"mallory": 3})
+    assert Engine._next_job(engine) is flooder  # waited 6 s of its 10: overdue
+    young = job("mallory", 1.0)
+    engine = types.SimpleNamespace(_jobs=deque([young, bob]), _in_flight={"mallory": 3})
+    assert Engine._next_job(engine) is bob  # the fair pick

@@ -52,6 +52,9 @@ class ShuttingDown(Unavailable):
     code = "shutting_down"
 
 
+OVERDUE = 0.5
+"""A queued job that has waited this share of its time limit is taken before the fair pick
+(`Engine._next_job`)."""
 SHUTTING_DOWN = {"type": "error", "message": "the server is shutting down", "status": 503, "code": "shutting_down"}
 """The final event of a request the server ends because it is going down (copied per use)."""
 
@@ -373,8 +376,17 @@ class Engine:
     def _next_job(self) -> Job:
         """The next job to run (called with the lock held): the oldest of the tenant with the
         fewest requests in the batch, so a tenant that floods the queue takes every free lane
-        only while no one else is waiting."""
-        best = min(range(len(self._jobs)), key=lambda i: (self._in_flight.get(self._jobs[i].tenant, 0), i))
+        only while no one else is waiting; but a job that has waited `OVERDUE` of its time
+        limit goes first (the oldest such), so no tenant's request, a flooder's included,
+        starves in the queue until it expires."""
+        now = time.monotonic()
+
+        def overdue(job: Job) -> bool:
+            return now - job.submitted >= OVERDUE * (job.deadline - job.submitted)
+
+        late = [i for i, job in enumerate(self._jobs) if overdue(job)]
+        best = late[0] if late else \
+            min(range(len(self._jobs)), key=lambda i: (self._in_flight.get(self._jobs[i].tenant, 0), i))
         job = self._jobs[best]
         del self._jobs[best]
         return job
