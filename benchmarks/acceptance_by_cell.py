@@ -35,7 +35,7 @@ def main() -> None:
     start, stop = (int(x) for x in args.items.split(":"))
     target = recap.load(args.model)
     by_topic: dict[str, list] = {}
-    for item in bench_data.load_items(bench_data.resolve_data(None)):
+    for item in bench_data.load_items(bench_data.mmspec_path(None)):
         by_topic.setdefault(item.topic, []).append(item)
     trials = accepts = None
     answers: dict[str, list[str]] = {}

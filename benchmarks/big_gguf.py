@@ -2,7 +2,7 @@
 and decoded from the file's blocks, with the memory that took (issue 45).
 
 Writes (once, then reuses) a random-weight Llama of about 1.56 B parameters in a Q4_K_M-like
-mix (`recap.target.kernels.random_gguf`: Q4_K, Q6_K for v, down and the tied embedding;
+mix (`recap.verifier.kernels.random_gguf`: Q4_K, Q6_K for v, down and the tied embedding;
 about 1 GB), then, in a fresh process per thread count, loads it with
 ``recap.load(path, float_copy=False)`` and greedy-decodes a prompt on the fast kernels:
 
@@ -48,8 +48,8 @@ def measure(path: Path, threads: int, tokens: int, repeats: int) -> dict:
     torch.set_num_threads(threads)
     import recap
     from recap.models import available_memory
-    from recap.target.kernels.stored import float_bytes
-    from recap.target.kernels.threads import read_back
+    from recap.verifier.kernels.stored import float_bytes
+    from recap.verifier.kernels.threads import read_back
 
     baseline = _resident()
     started = time.perf_counter()
@@ -93,7 +93,7 @@ def main() -> int:
     if args.measure:
         print(json.dumps(measure(path, int(args.threads), args.tokens, args.repeats)))
         return 0
-    from recap.target.kernels import random_gguf
+    from recap.verifier.kernels import random_gguf
 
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import recap  # noqa: E402
+from recap.decoding import reference_generate  # noqa: E402
 from recap.prompts import check_prompts  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def main() -> int:
     items = list(check_prompts(args.prompts, images=target.accepts_images))
     for index, (prompt, image) in enumerate(items):
         inputs = target.prepare(prompt, image)
-        fast = target.reference_generate(inputs, args.max_new_tokens)
+        fast = reference_generate(target, inputs, args.max_new_tokens)
         stock = target.stock_generate(inputs, args.max_new_tokens)
         if fast == stock:
             continue

@@ -10,7 +10,7 @@ Three phases, each one's failure recorded without stopping the next:
    ``model.generate(do_sample=False)``, token for token) for recap, recap-paper, sam and pld on
    tiny-llama, tiny-qwen2.5-vl, tiny-llava-next (30 prompts each) and smollm2-135m (10);
    TF32 is turned off, so float32 stays float32;
-2. the verify-cost profile of the bench model (`recap.target.profile.measure_profile`):
+2. the verify-cost profile of the bench model (`recap.verifier.profile.measure_profile`):
    t(N)/t(1) for N packed tokens at two context lengths, and t(1) in ms;
 3. a short paired bench (`recap.bench`: AR and recap, recap-paper, pld, sam, lookahead, one
    input per topic, 64 new tokens) with the measured profile: S, tau, mismatches and RECAP's
@@ -255,7 +255,7 @@ def check_phase(args, run: Run, targets: Targets, deadline: float) -> None:
 # --------------------------------------------------------------------------- phase 2: verify cost
 def profile_phase(args, run: Run, targets: Targets):
     """The bench model's measured profile (also returned, for the bench)."""
-    from recap.target.profile import measure_profile
+    from recap.verifier.profile import measure_profile
 
     block = run.data["profile"]
     block.update({"model": args.bench_model, "dtype": args.bench_dtype, "error": None})
@@ -319,14 +319,15 @@ def synthetic_data(folder: Path, quick: bool = False) -> Path:
 def bench_data(args, bench_out: Path) -> tuple[str, str]:
     """(data path, how it was found)."""
     from recap.bench import data as bench_data_module
+    from recap.bench.sources import resolve_data
     from recap.errors import InputError
 
     if args.data:
-        return str(bench_data_module.resolve_data(args.data)), "given"
+        return str(resolve_data(args.data)), "given"
     if args.quick:  # small and the same everywhere
         return str(synthetic_data(bench_out.parent / f"{bench_out.name}-data", quick=True)), "synthetic"
     try:
-        return str(bench_data_module.resolve_data("mmspec")), "mmspec"
+        return str(bench_data_module.mmspec_path("mmspec")), "mmspec"
     except InputError:
         pass
     in_repo = Path(__file__).resolve().parents[1] / "shared" / "data" / "mmspec" / "mmspec.jsonl"
@@ -397,7 +398,7 @@ def host_phase(args, run: Run) -> None:
 
     import recap
     from recap.bench.environment import cpu_model
-    from recap.target.profile import measure_times
+    from recap.verifier.profile import measure_times
 
     block = run.data["host"]
     cores = os.cpu_count() or 1

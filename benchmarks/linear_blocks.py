@@ -1,4 +1,4 @@
-"""Which register block of the fast linear kernel suits this CPU (`recap.target.kernels.linear`).
+"""Which register block of the fast linear kernel suits this CPU (`recap.verifier.kernels.linear`).
 
 Times every linear layer of a decoder's shapes (SmolLM2-135M's by default: 30 layers of
 q/k/v/o and gate/up/down, K = 576 / 1536) once per step, for each row count, on the 4x4 block
@@ -22,7 +22,7 @@ import numba
 import numpy as np
 
 from recap.bench.environment import cpu_model
-from recap.target.kernels import linear
+from recap.verifier.kernels import linear
 
 
 def smollm2_shapes(layers: int = 30, hidden: int = 576, kv: int = 192, inter: int = 1536) -> list[tuple[int, int]]:

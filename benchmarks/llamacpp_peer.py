@@ -76,15 +76,16 @@ def main() -> int:
 
     import recap
     from recap.bench import data as bench_data
+    from recap.bench.sources import resolve_data
     from recap.decoding import decode
     from recap.models import gguf_source
     from recap.proposers import make_proposer
-    from recap.target.kernels.threads import check_read_back, read_back
+    from recap.verifier.kernels.threads import check_read_back, read_back
 
     path = gguf_source(args.model)
     if path is None:
         raise SystemExit(f"{args.model} did not come from a GGUF file")
-    items = bench_data.select(bench_data.load_items(bench_data.resolve_data(args.data)), None, args.limit)
+    items = bench_data.select(bench_data.load_items(resolve_data(args.data)), None, args.limit)
     units = [unit for unit in bench_data.units_of(items) if unit.turn == 0]
     result: dict = {"model": args.model, "file": path.name, "units": [u.key for u in units], "passes": []}
     for threads in [int(t) for t in args.threads.split(",")]:

@@ -41,9 +41,9 @@ def prompts(target, count: int) -> list:
 
         out = Path("prefill-rows-out")
         return [target.prepare(item.question, item.image) for item in demo_inputs(target, out)][:count]
-    from recap.bench.data import load_items, messages_for, resolve_data, units_of
+    from recap.bench.data import load_items, messages_for, mmspec_path, units_of
 
-    units = units_of(load_items(resolve_data("mmspec")))[:count]
+    units = units_of(load_items(mmspec_path("mmspec")))[:count]
     filler = "An earlier answer, a sentence or two long, that the next turn builds on."
     return [target.prepare(messages_for(unit, [filler] * unit.turn), None) for unit in units]
 

@@ -46,7 +46,7 @@ def _mmspec_messages(count: int) -> list[list[dict]]:
     """First turns of MMSpec items, one topic after another, as chat messages (text only)."""
     from recap.bench import data
 
-    items = data.load_items(data.resolve_data("mmspec"))
+    items = data.load_items(data.mmspec_path("mmspec"))
     by_topic: dict[str, list] = {}
     for item in items:
         by_topic.setdefault(item.topic, []).append(item)

@@ -775,10 +775,10 @@ def compute_references(args: argparse.Namespace) -> tuple[dict[str, str], int]:
     """Plain one-token decoding of every good case, on the server's model and kernels."""
     import torch
 
-    from recap.decoding import decode
+    from recap.decoding import decode, reference_generate
     from recap.models import load
     from recap.proposers import make_proposer
-    from recap.target.sampling import Sampling
+    from recap.verifier.sampling import Sampling
 
     torch.set_num_threads(args.threads)
     target = load(args.model, kernels=args.kernels)
@@ -786,7 +786,7 @@ def compute_references(args: argparse.Namespace) -> tuple[dict[str, str], int]:
     for case in GOOD_CASES:
         inputs = target.prepare(case.messages)
         if case.sampling is None:
-            tokens = target.reference_generate(inputs, case.max_tokens)
+            tokens = reference_generate(target, inputs, case.max_tokens)
         else:
             s = case.sampling
             sampling = Sampling.of(s["temperature"], s.get("top_k"), s.get("top_p"), s.get("seed"))

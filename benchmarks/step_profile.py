@@ -1,7 +1,7 @@
 """Where one decode step's time goes: an AR step and verifies of N = 2, 4, 8, 16 packed
 tokens, split into linear layers, attention, norms, element-wise work, mask building, cache
 update/compaction, logits/Top-K and the rest (Python dispatch, embedding), on the stock
-transformers path and on the fast kernels (`recap.target.kernels`).
+transformers path and on the fast kernels (`recap.verifier.kernels`).
 
     python benchmarks/step_profile.py --model smollm2-135m --threads 1
     python benchmarks/step_profile.py --model recap-demo-vlm --threads 1 --json out.json
@@ -33,12 +33,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import recap  # noqa: E402
-import recap.target.base as target_base  # noqa: E402
-from recap.target.kernels import decoder as fast_decoder  # noqa: E402
-from recap.target.kernels import ops  # noqa: E402
-from recap.target.kernels.linear import Linear  # noqa: E402
-from recap.target.kernels.threads import check_read_back, read_back  # noqa: E402
-from recap.target.profile import random_tree  # noqa: E402
+import recap.verifier.base as target_base  # noqa: E402
+from recap.verifier.kernels import decoder as fast_decoder  # noqa: E402
+from recap.verifier.kernels import ops  # noqa: E402
+from recap.verifier.kernels.linear import Linear  # noqa: E402
+from recap.verifier.kernels.threads import check_read_back, read_back  # noqa: E402
+from recap.verifier.profile import random_tree  # noqa: E402
 
 CATEGORIES = ("linear", "attention", "norm", "elementwise", "mask", "cache", "logits/top-k", "other")
 clock = time.perf_counter
@@ -97,7 +97,7 @@ def instrument(target, timer: Timer):
                     timer.spent[category] += clock() - starts.pop(id(module))
                 return hook
 
-            decoder = recap.target.kernels.args.language_model(target.model)
+            decoder = recap.verifier.kernels.args.language_model(target.model)
             for module in decoder.modules():
                 kind = type(module).__name__
                 if isinstance(module, torch.nn.Linear):
@@ -157,7 +157,7 @@ _LINEAR_SHARE: dict[str, float] = {}
 def _inner_linear(target, spent, part):
     """Linear time inside attention (q/k/v/o) or MLP (gate/up/down) modules, by weight bytes."""
     if not _LINEAR_SHARE:
-        decoder = recap.target.kernels.args.language_model(target.model)
+        decoder = recap.verifier.kernels.args.language_model(target.model)
         sizes = {"attn": 0, "mlp": 0}
         for layer in decoder.layers:
             sizes["attn"] += sum(p.numel() for p in layer.self_attn.parameters())

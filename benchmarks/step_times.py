@@ -8,7 +8,7 @@ in turns, one process each:
 
 Prints one JSON line: the thread counts read back (torch's, numba's), load seconds (compile
 included on a cold numba cache) and the median ms of ``--repeats`` verify + commit steps per
-size after 128 cached tokens (`recap.target.profile.measure_times`). Set
+size after 128 cached tokens (`recap.verifier.profile.measure_times`). Set
 ``NUMBA_NUM_THREADS=1`` for trees older than issue 44, whose "1 thread" ran on 2; compare
 trees as ratios of interleaved runs, never against a figure from another session.
 """
@@ -39,7 +39,7 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     import recap
-    from recap.target.profile import measure_times
+    from recap.verifier.profile import measure_times
 
     started = time.perf_counter()
     options = {"weights": args.weights} if args.weights else {}

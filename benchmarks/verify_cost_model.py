@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import recap
-from recap.target.profile import measure_profile, measure_times
+from recap.verifier.profile import measure_profile, measure_times
 
 
 def _ints(text: str) -> list[int]:

@@ -7,7 +7,7 @@ Every test runs apart from this machine's caches and from the tests before it:
   still read from where they were built (``RECAP_MODEL_CACHE``, set to the real cache).
 - Every decode runs under `fixed_cost_profile` (a CPU-like curve without online correction)
   unless the test passes its own: the session's targets get a fresh copy before each test,
-  and any automatic profile (`recap.target.profile.load_or_measure`: what ``--cost-profile
+  and any automatic profile (`recap.verifier.profile.load_or_measure`: what ``--cost-profile
   auto``, `recap.hf` and `recap serve` fall back to) is that curve instead of a measurement
   of this machine. Tests of the profile machinery itself are marked ``measured_cost_profile``.
 
@@ -29,7 +29,7 @@ import torch
 import recap
 from recap import models
 from recap.core import CostProfile
-from recap.target import profile as profiles
+from recap.verifier import profile as profiles
 from tests import helpers
 
 TINY_MODELS = ["tiny-llama", "tiny-qwen2.5-vl", "tiny-llava-next"]

@@ -26,8 +26,8 @@ from numba.extending import intrinsic  # noqa: E402
 
 import recap  # noqa: E402
 from recap.core import DraftTree  # noqa: E402
-from recap.target.kernels import lanes, linear  # noqa: E402
-from recap.target.kernels.linear import _block3  # noqa: E402
+from recap.verifier.kernels import lanes, linear  # noqa: E402
+from recap.verifier.kernels.linear import _block3  # noqa: E402
 
 
 def logits_digest(name: str) -> str:

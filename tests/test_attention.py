@@ -7,8 +7,9 @@ from hypothesis import strategies as st
 from transformers import DynamicCache
 
 from recap.core import ROOT, DraftTree
-from recap.target.attention import compact_cache, tree_attention_mask, tree_positions
-from recap.target.base import first_argmax
+from recap.decoding import reference_generate
+from recap.verifier.attention import compact_cache, tree_attention_mask, tree_positions
+from recap.verifier.base import first_argmax
 
 
 def test_mask_is_additive_float_with_visible_prefix():
@@ -63,7 +64,7 @@ def test_verify_then_commit_equals_feeding_tokens_one_by_one(tiny_stock_target):
     target = tiny_stock_target
     inputs = target.prepare("Compaction check, please.")
     rows, first = target.prefill(inputs)
-    reference = target.reference_generate(inputs, 6)
+    reference = reference_generate(target, inputs, 6)
     # Decoys first, the true path second, so compaction must move slots.
     tree = DraftTree([7, reference[1], 8, reference[2], reference[3]], [ROOT, ROOT, 1, 1, 3])
     step = target.verify(first, tree)

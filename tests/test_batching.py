@@ -1,4 +1,4 @@
-"""Continuous batching (`recap.batching`, `recap.target.batch`): a request's output, and on
+"""Continuous batching (`recap.batching`, `recap.verifier.batch`): a request's output, and on
 the fast kernels its logits bit for bit, are what it gets decoded alone, whatever else is in
 the batch: other lengths, images, requests that end, fail or are cancelled mid-batch. A
 forward whose attention lets one request see another's KV cache must be caught. The shared
@@ -23,9 +23,9 @@ from recap.prompts import check_prompts
 from recap.proposers import make_proposer
 from recap.proposers.base import BaseProposer
 from recap.proposers.testing import DecoyDrafter
-from recap.target.batch import verify_batch
-from recap.target.kernels.decoder import FastDecoder
-from recap.target.sampling import Sampling
+from recap.verifier.batch import verify_batch
+from recap.verifier.kernels.decoder import FastDecoder
+from recap.verifier.sampling import Sampling
 from tests.conftest import TINY_MODELS, fixed_cost_profile, load_target
 from tests.helpers import assert_drafted
 

@@ -112,8 +112,8 @@ def write_dataset(folder, rows=None, *, image_size=(40, 30)):
 
 def test_data_loads_validates_and_selects(tmp_path):
     folder = write_dataset(tmp_path / "mm")
-    path = bench_data.resolve_data(f"mmspec={folder}")
-    assert path == (folder / "mmspec.jsonl").resolve() and bench_data.resolve_data(str(path)) == path
+    path = bench_data.mmspec_path(f"mmspec={folder}")
+    assert path == (folder / "mmspec.jsonl").resolve() and bench_data.mmspec_path(str(path)) == path
     items = bench_data.load_items(path)
     assert [i.id for i in items] == ["a1", "a2", "m1"] and items[2].turns[1] == "Now say it shorter."
     assert items[0].image == folder / "images" / "a1.png"
@@ -123,15 +123,15 @@ def test_data_loads_validates_and_selects(tmp_path):
     with pytest.raises(InputError, match="unknown topic 'gamma'"):
         bench_data.select(items, ["gamma"], None)
     with pytest.raises(InputError, match="data not found"):
-        bench_data.resolve_data(str(tmp_path / "nowhere"))
+        bench_data.mmspec_path(str(tmp_path / "nowhere"))
 
 
 def test_the_default_data_path_is_explained_when_missing(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_data, "default_data_dir", lambda: tmp_path / "shared" / "data" / "mmspec")
     with pytest.raises(InputError, match="MMSpec data not found at .*; pass --data mmspec=PATH"):
-        bench_data.resolve_data("mmspec")
+        bench_data.mmspec_path("mmspec")
     write_dataset(tmp_path / "shared" / "data" / "mmspec")
-    assert bench_data.resolve_data(None) == tmp_path / "shared" / "data" / "mmspec" / "mmspec.jsonl"
+    assert bench_data.mmspec_path(None) == tmp_path / "shared" / "data" / "mmspec" / "mmspec.jsonl"
 
 
 @pytest.mark.parametrize(("line", "message"), [

@@ -4,7 +4,6 @@ import json
 
 from PIL import Image
 
-import recap
 from recap.cli import main
 from recap.demo import DEMO_SCENES
 
@@ -47,13 +46,15 @@ def test_check_in_bfloat16_on_fast_kernels_is_exact(capsys, monkeypatch):
                  "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "agreement rate" not in out and out.strip().splitlines()[-1] == "3 passed, 0 failed"
-    real = recap.TargetModel.reference_generate
+    import recap.check
 
-    def one_off(self, inputs, max_new_tokens, eos_token_ids=None):
-        tokens = real(self, inputs, max_new_tokens, eos_token_ids)
+    real = recap.check.reference_generate
+
+    def one_off(target, inputs, max_new_tokens, eos_token_ids=None):
+        tokens = real(target, inputs, max_new_tokens, eos_token_ids)
         return tokens[:-1] + [tokens[-1] + 1]
 
-    monkeypatch.setattr(recap.TargetModel, "reference_generate", one_off)
+    monkeypatch.setattr(recap.check, "reference_generate", one_off)
     assert main(["check", "--model", "tiny-llama", "--method", "decoy", "--prompts", "1", "--max-new-tokens", "8",
                  "--dtype", "bfloat16"]) == 1
     assert "MISMATCH" in capsys.readouterr().out

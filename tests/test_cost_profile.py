@@ -16,7 +16,7 @@ from recap.cli import main
 from recap.core import CostProfile, DraftTree, ProfileError
 from recap.errors import InputError
 from recap.proposers.base import BaseProposer
-from recap.target import profile as profiles
+from recap.verifier import profile as profiles
 from tests.conftest import TINY_MODELS, load_target
 
 pytestmark = pytest.mark.measured_cost_profile  # the lazy profile path is what these tests test

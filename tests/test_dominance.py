@@ -8,7 +8,7 @@ import json
 import pytest
 
 from recap.bench import repeats
-from recap.bench.data import Unit, load_items, messages_for, quote_answers, resolve_data
+from recap.bench.data import Unit, load_items, messages_for, mmspec_path, quote_answers
 from recap.bench.dominance import dominance, markdown_section
 from recap.errors import InputError
 
@@ -46,7 +46,7 @@ def test_quoted_answers_fill_in_and_bad_references_are_clear_errors():
 
 
 def test_repeats_set_is_built_deterministically_from_the_shared_prompts(tmp_path):
-    mmspec = resolve_data("mmspec")
+    mmspec = mmspec_path("mmspec")
     first = repeats.write(tmp_path / "a", mmspec)
     second = repeats.write(tmp_path / "b", mmspec)
     assert first.read_bytes() == second.read_bytes()

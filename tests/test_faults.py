@@ -496,7 +496,7 @@ def test_max_time_stops_custom_generate_after_the_step_that_ran_past_it(monkeypa
 def test_the_first_cost_aware_call_says_what_it_measures_and_where(tmp_path, monkeypatch):
     from recap.core import CostProfile
     from recap.hf import custom_generate
-    from recap.target import profile
+    from recap.verifier import profile
     from tests.conftest import load_target
 
     monkeypatch.setenv("RECAP_CACHE", str(tmp_path))

@@ -11,7 +11,7 @@ from transformers import TextIteratorStreamer
 from recap.errors import InputError
 from recap.hf import custom_generate
 from recap.images import synthetic_image
-from recap.target.sampling import SamplingError
+from recap.verifier.sampling import SamplingError
 from tests.conftest import TINY_MODELS, fixed_cost_profile, load_target
 from tests.helpers import assert_drafted
 

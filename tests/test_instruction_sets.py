@@ -1,6 +1,6 @@
 """The same model gives the same logits whatever x86 CPU the kernels are compiled for.
 
-Every sum of the fast kernels is written in `recap.target.kernels.lanes` order, so the bits
+Every sum of the fast kernels is written in `recap.verifier.kernels.lanes` order, so the bits
 cannot depend on the instruction set. Checked on one machine by compiling the kernels in
 subprocesses for other CPUs (``NUMBA_CPU_NAME`` with ``NUMBA_CPU_FEATURES``, each with its own
 numba cache), reading back what was compiled, and comparing logits bit for bit with the

@@ -16,8 +16,8 @@ from recap.decoding import Decoding, decode
 from recap.errors import InputError
 from recap.overhead import SyntheticTarget
 from recap.proposers import PROPOSERS, BaseProposer, PromptLookupProposer, Proposer, make_proposer
-from recap.target import BaseTarget, MeasuringSession, Target
-from recap.target.sampling import Sampling
+from recap.verifier import BaseTarget, MeasuringSession, Target
+from recap.verifier.sampling import Sampling
 from tests.conftest import TINY_MODELS, load_target
 
 VOCAB = 2048

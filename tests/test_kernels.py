@@ -1,4 +1,4 @@
-"""The fast step path (`recap.target.kernels`): batch-invariant by construction, tested bit
+"""The fast step path (`recap.verifier.kernels`): batch-invariant by construction, tested bit
 for bit. A packed verify's logits at every node equal those of plain one-token steps along
 that node's path; the linear kernel's rows never depend on their neighbours; a kernel whose
 arithmetic depends on the row count is caught. Agreement with stock transformers is checked
@@ -13,13 +13,14 @@ from numba import njit
 
 import recap
 from recap.core import DraftTree
+from recap.decoding import reference_generate
 from recap.errors import InputError
-from recap.target.kernels import lanes, ops, unsupported, widen
-from recap.target.kernels import linear as kernel_linear
-from recap.target.kernels.exp import exp32
-from recap.target.kernels.linear import Linear, padded_rows
-from recap.target.kernels.widen import storage
-from recap.target.profile import profile_key
+from recap.verifier.kernels import lanes, ops, unsupported, widen
+from recap.verifier.kernels import linear as kernel_linear
+from recap.verifier.kernels.exp import exp32
+from recap.verifier.kernels.linear import Linear, padded_rows
+from recap.verifier.kernels.widen import storage
+from recap.verifier.profile import profile_key
 from tests.conftest import TINY_MODELS, load_target
 
 
@@ -460,7 +461,7 @@ def test_fast_greedy_output_agrees_with_generate_on_tiny_models(name):
     target = load_target(name)
     inputs = _prompt(target, "Write a story about a cat")
     assert target.kernels == "fast"
-    assert target.reference_generate(inputs, 24) == target.stock_generate(inputs, 24)
+    assert reference_generate(target, inputs, 24) == target.stock_generate(inputs, 24)
 
 
 def test_kernel_selection_and_errors():
@@ -478,7 +479,7 @@ def test_kernel_selection_and_errors():
                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                                                sliding_window=16))
     assert "mistral" in unsupported(mistral)
-    wrapped = recap.target.wrap(mistral, target.tokenizer)
+    wrapped = recap.verifier.wrap(mistral, target.tokenizer)
     assert wrapped.kernels == "stock"
     with pytest.raises(InputError, match="--kernels fast does not support"):
         wrapped.use_kernels("fast")

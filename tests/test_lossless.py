@@ -7,14 +7,15 @@ import numpy as np
 import pytest
 
 import recap
-import recap.target.base as target_base
+import recap.verifier.base as target_base
 from recap.check import run_check
 from recap.core import ROOT, VerifiedTree
+from recap.decoding import reference_generate
 from recap.proposers import DecoyDrafter, make_proposer
 from recap.proposers.pld import PromptLookupProposer
 from recap.proposers.testing import RandomDrafter
-from recap.target import QwenVLTarget
-from recap.target.kernels import ops
+from recap.verifier import QwenVLTarget
+from recap.verifier.kernels import ops
 from tests.broken_verifiers import first_child_walk
 from tests.conftest import load_target
 from tests.helpers import ReferencePrimed, assert_drafted
@@ -167,7 +168,7 @@ def test_positions_without_mrope_delta_are_detected(kernels, monkeypatch):
     differing = 0
     for prompt, image in check_prompts(8, images=True):
         inputs = target.prepare(prompt, image)
-        differing += target.reference_generate(inputs, 24) != target.stock_generate(inputs, 24)
+        differing += reference_generate(target, inputs, 24) != target.stock_generate(inputs, 24)
     assert differing > 0
 
 
@@ -183,7 +184,7 @@ def test_accepting_the_first_child_is_detected(tiny_llama, monkeypatch):
 def test_the_decoy_drafter_hides_the_truth_behind_decoys(tiny_llama):
     """Sanity of the adversary itself: the true token is often not the first child."""
     inputs = tiny_llama.prepare("Decoys?")
-    reference = tiny_llama.reference_generate(inputs, 12)
+    reference = reference_generate(tiny_llama, inputs, 12)
     drafter = DecoyDrafter(inputs.prompt_ids + reference, seed=0)
     drafter.begin_request(tiny_llama.prefill(inputs)[0])
     history = inputs.prompt_ids + reference[:1]

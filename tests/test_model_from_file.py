@@ -1,4 +1,4 @@
-"""A GGUF model built without its float copy (`recap.target.kernels.stored.model_from_file`,
+"""A GGUF model built without its float copy (`recap.verifier.kernels.stored.model_from_file`,
 ``recap.load(path, float_copy=False)``, chosen by ``float_copy=None`` where the floats would
 not fit): the kernels read the file alone, and every logit equals, bit for bit, that of the
 model transformers' own loader builds from the same file. Random-weight files of both
@@ -17,8 +17,8 @@ import torch
 import recap
 from recap import models
 from recap.errors import InputError
-from recap.target.kernels import FastDecoder, quantized, random_gguf, stored
-from recap.target.kernels.stored import StoredWeights, model_from_file, unmade
+from recap.verifier.kernels import FastDecoder, quantized, random_gguf, stored
+from recap.verifier.kernels.stored import StoredWeights, model_from_file, unmade
 from tests.helpers import assert_drafted, step_logits
 
 SHAPES = {
@@ -135,7 +135,7 @@ def test_float_bytes_counts_every_tensor_as_float32(which, files):
     import gguf
 
     from recap.models import smollm2_gguf
-    from recap.target.kernels.stored import float_bytes
+    from recap.verifier.kernels.stored import float_bytes
 
     path = smollm2_gguf() if which == "smollm2" else files["llama"]
     expected = 4 * sum(int(tensor.n_elements) for tensor in gguf.GGUFReader(path).tensors)

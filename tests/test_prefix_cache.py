@@ -1,4 +1,4 @@
-"""Prefill on the fast kernels (`recap.target.kernels.prefix`): a prompt's K/V and Top-K rows
+"""Prefill on the fast kernels (`recap.verifier.kernels.prefix`): a prompt's K/V and Top-K rows
 are those of one-token steps, bit for bit, whatever the chunk size and whether a shared
 prefix was computed now or copied from an earlier prompt. A cache that hands over rows the
 prompts do not share must be caught."""
@@ -10,8 +10,8 @@ import pytest
 
 from recap.core import DraftTree
 from recap.images import synthetic_image
-from recap.target.kernels import prefix as prefix_module
-from recap.target.kernels.prefix import PrefixCache
+from recap.verifier.kernels import prefix as prefix_module
+from recap.verifier.kernels.prefix import PrefixCache
 from tests.conftest import TINY_MODELS, load_target
 
 SYSTEM = "You are a careful assistant. Answer briefly and precisely, in plain words."
@@ -127,7 +127,7 @@ def test_an_image_prompt_prefills_in_chunks_as_one_token_steps_bit_for_bit(name,
     whole = _prefilled(target, inputs)
     for chunk in (1, 5):
         monkeypatch.setattr(prefix_module, "PREFILL_CHUNK", chunk)
-        monkeypatch.setattr("recap.target.base.PREFILL_CHUNK", chunk)
+        monkeypatch.setattr("recap.verifier.base.PREFILL_CHUNK", chunk)
         assert _same(_prefilled(target, inputs), whole)
     assert target.prefix_cache.tokens <= inputs.language.first_image_row
 

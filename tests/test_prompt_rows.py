@@ -17,12 +17,12 @@ import pytest
 from recap import generate
 from recap.batching import generate_batch
 from recap.core import NOT_COMPUTED, first_eligible
-from recap.decoding import decode
+from recap.decoding import decode, reference_generate
 from recap.images import synthetic_image
 from recap.proposers import make_proposer
-from recap.target import base as target_base
-from recap.target.kernels import decoder as decoder_module
-from recap.target.kernels.prefix import PREFILL_CHUNK, PrefixCache, chain
+from recap.verifier import base as target_base
+from recap.verifier.kernels import decoder as decoder_module
+from recap.verifier.kernels.prefix import PREFILL_CHUNK, PrefixCache, chain
 from tests.conftest import TINY_MODELS, load_target
 
 QUESTIONS = ("Name a large river and say where it flows, the river and the sea.", "Name a tall mountain.",
@@ -231,7 +231,7 @@ def test_recap_seeds_from_the_earlier_answer_only(name, monkeypatch):
 
 
 def test_answers_rows_sit_between_none_and_first_in_the_prefix_cache():
-    from recap.target.kernels.prefix import _covers
+    from recap.verifier.kernels.prefix import _covers
 
     assert _covers("first", "answers") and _covers("answers", "none") and _covers("all", "answers")
     assert not _covers("answers", "first") and not _covers("none", "answers")
@@ -282,7 +282,7 @@ def test_the_stock_prefill_keeps_one_row_too():
     full, first_full = target.prefill(inputs)
     target.release()
     assert full.topk_ids.shape[0] == target.prompt_length(inputs) and first == first_full
-    reference = target.reference_generate(inputs, 8)
+    reference = reference_generate(target, inputs, 8)
     assert decode(target, make_proposer("sam"), inputs, max_new_tokens=8).tokens == reference
     assert decode(target, make_proposer("recap"), inputs, max_new_tokens=8).tokens == reference
 

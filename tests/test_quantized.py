@@ -1,4 +1,4 @@
-"""GGUF blocks read as stored (`recap.target.kernels.quantized`, `quantized_linear`,
+"""GGUF blocks read as stored (`recap.verifier.kernels.quantized`, `quantized_linear`,
 `stored`): every format de-quantises in registers to ``gguf``'s float32 weights bit for bit,
 so a layer, a step and a model on stored blocks give the float path's logits exactly. Two
 deliberately wrong de-quantisations (a scale rounded the wrong way, nibbles in the wrong
@@ -17,10 +17,10 @@ from numba import njit
 
 import recap
 from recap.errors import InputError
-from recap.target.kernels import FastDecoder, lanes, quantized
-from recap.target.kernels.lanes import LANES
-from recap.target.kernels.linear import Linear
-from recap.target.kernels.stored import StoredWeights, WeightsMismatch
+from recap.verifier.kernels import FastDecoder, lanes, quantized
+from recap.verifier.kernels.lanes import LANES
+from recap.verifier.kernels.linear import Linear
+from recap.verifier.kernels.stored import StoredWeights, WeightsMismatch
 from tests.conftest import TINY_MODELS, load_target
 from tests.helpers import assert_drafted, step_logits
 
@@ -186,8 +186,8 @@ def _stored_twin(model: torch.nn.Module, seed: int) -> StoredWeights:
     those blocks as a `StoredWeights` (llama.cpp's names, rows in the model's order)."""
     import gguf
 
-    from recap.target.kernels.args import language_model
-    from recap.target.kernels.stored import ROLES
+    from recap.verifier.kernels.args import language_model
+    from recap.verifier.kernels.stored import ROLES
 
     rng = np.random.default_rng(seed)
     decoder = language_model(model)
@@ -280,7 +280,7 @@ def test_weights_selection_and_errors(tmp_path, monkeypatch):
 def test_float_copies_are_dropped_and_rebuilt_exactly_when_the_model_runs():
     """`FloatCopies`: the float weights the kernels read as blocks are freed, and the model's
     own forward (transformers' path) first rebuilds them, bit for bit, from the blocks."""
-    from recap.target.kernels.stored import FloatCopies
+    from recap.verifier.kernels.stored import FloatCopies
 
     model = recap.load("tiny-llama", kernels="stock").model
     stored = _stored_twin(model, seed=2)
@@ -306,7 +306,7 @@ def test_the_demo_vlm_reads_its_language_models_blocks():
     from SmolLM2's file (each checked), the image token's row past the file's vocabulary
     stays float (`GrownLinear`), and a step's logits (the image token's row included) equal
     those on the float weights, bit for bit."""
-    from recap.target.kernels.linear import GrownLinear
+    from recap.verifier.kernels.linear import GrownLinear
 
     stored = recap.load("recap-demo-vlm")
     floats = recap.load("recap-demo-vlm", weights="float")

@@ -18,7 +18,7 @@ import recap
 import recap.check as check_module
 from recap.check import run_check
 from recap.core import CostProfile, DraftTree
-from recap.decoding import decode
+from recap.decoding import decode, reference_generate
 from recap.prompts import TEXT_PROMPTS, check_prompts
 from recap.proposers import LookaheadProposer, RecapConfig, RecapPaperProposer, RecapProposer
 from tests.broken_verifiers import first_child_walk
@@ -154,7 +154,7 @@ _MEMORY_CASE: dict = {}
 def _memory_case(target):
     if not _MEMORY_CASE:
         inputs = target.prepare("Whatever the memory holds.")
-        _MEMORY_CASE.update(inputs=inputs, reference=target.reference_generate(inputs, 20))
+        _MEMORY_CASE.update(inputs=inputs, reference=reference_generate(target, inputs, 20))
     return _MEMORY_CASE["inputs"], _MEMORY_CASE["reference"]
 
 
@@ -277,7 +277,7 @@ class _TruthfulLookahead(LookaheadProposer):
 @pytest.mark.parametrize("cut", ["length", "eos"])
 def test_lookahead_never_learns_tokens_past_the_cut(tiny_llama, cut):
     inputs = tiny_llama.prepare("Lookahead cut test.")
-    reference = tiny_llama.reference_generate(inputs, 40)
+    reference = reference_generate(tiny_llama, inputs, 40)
     prompt = inputs.prompt_ids
     proposer = _TruthfulLookahead(prompt + reference)
     if cut == "length":

@@ -11,6 +11,7 @@ from recap.check import run_check
 from recap.cli import main
 from recap.core import CostProfile
 from recap.core.persistence import MemoryFileError
+from recap.decoding import reference_generate
 from recap.prompts import check_prompts
 from recap.proposers import ABLATIONS, RecapProposer
 
@@ -96,7 +97,7 @@ def test_whatever_the_memory_holds_the_output_is_greedy(tiny_llama, data):
     (That planted true rows do get drafted and accepted: tests/test_recap_cost_aware.py,
     test_true_rows_or_a_stored_answer_are_drafted_and_accepted.)"""
     inputs = tiny_llama.prepare("Memory property test.")
-    reference = tiny_llama.reference_generate(inputs, 20)
+    reference = reference_generate(tiny_llama, inputs, 20)
     proposer = RecapProposer()
     vocab = tiny_llama.vocab_size
     rows = _random_rows(data.draw, vocab, data.draw(st.integers(0, 30)))
@@ -139,7 +140,7 @@ def _recording(proposer: RecapProposer) -> list[tuple]:
 def test_rows_from_another_model_do_not_change_outputs(tiny_llama):
     # The donor reads tiny-llama's answers, so its rows are keyed by tokens tiny-llama will
     # generate (the receiver's own prefill reseeds the prompt tokens' rows).
-    answers = [tiny_llama.tokenizer.decode(tiny_llama.reference_generate(tiny_llama.prepare(prompt), 16))
+    answers = [tiny_llama.tokenizer.decode(reference_generate(tiny_llama, tiny_llama.prepare(prompt), 16))
                for prompt, _ in check_prompts(4, images=False)]
     donor = RecapProposer(seed_prompt="all")  # its U: rows seeded from those answers as prompts
     run_check(load_target("tiny-llava-next"), donor, items=[(answer, None) for answer in answers], max_new_tokens=8)

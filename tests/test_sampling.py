@@ -8,13 +8,13 @@ from transformers import GenerationConfig
 
 from recap.core import ROOT, TreeBuilder
 from recap.core.cost import CostProfile
-from recap.decoding import decode
+from recap.decoding import decode, reference_generate
 from recap.images import synthetic_image
 from recap.proposers import make_proposer
 from recap.proposers.base import BaseProposer
 from recap.proposers.testing import DecoyDrafter
 from recap.sampling_check import OTHER, check_sampling, exact_prefixes
-from recap.target.sampling import Sampler, Sampling, SamplingError
+from recap.verifier.sampling import Sampler, Sampling, SamplingError
 from tests import broken_verifiers
 from tests.conftest import TINY_MODELS, load_target
 from tests.helpers import assert_drafted
@@ -83,7 +83,7 @@ def test_temperature_zero_is_todays_greedy_path():
     from recap.decoding import generate
 
     target = load_target("tiny-llama")
-    greedy = target.reference_generate(target.prepare("Hello there"), 12)
+    greedy = reference_generate(target, target.prepare("Hello there"), 12)
     assert generate(target, "Hello there", method="recap", max_new_tokens=12, temperature=0).tokens == greedy
     assert generate(target, "Hello there", method="pld", max_new_tokens=12, temperature=0.0, top_k=3).tokens == greedy
 

@@ -464,7 +464,17 @@ def test_each_tenant_memory_is_bounded(tmp_path):
 
 
 def test_a_request_past_the_time_limit_is_stopped_with_504():
+    """Past ``request_timeout`` while decoding (each step slowed: 500 tokens would take 5 s)
+    the decoder stops the request: 504. One that runs out of time before it was even
+    prepared gets 504 too, never reaching the decoder."""
     with serving("tiny-llama", request_timeout=0.001, max_tokens_limit=512) as (url, app):
+        status, error = _post(url, {"model": "tiny-llama", "max_tokens": 500,
+                                    "messages": [{"role": "user", "content": "Write at length."}]})
+        assert status == 504 and "time limit" in error["message"] and not app.state.engine.busy
+    with serving("tiny-llama", request_timeout=1.0, max_tokens_limit=512) as (url, app):
+        batch = app.state.engine.batch
+        step = batch.step
+        batch.step = lambda: time.sleep(0.01) or step()
         status, error = _post(url, {"model": "tiny-llama", "max_tokens": 500,
                                     "messages": [{"role": "user", "content": "Write at length."}]})
         assert status == 504 and "time limit" in error["message"]
@@ -474,7 +484,7 @@ def test_a_request_past_the_time_limit_is_stopped_with_504():
 
 @pytest.mark.lossless
 def test_sampled_answers_follow_the_seed_like_plain_sampling():
-    from recap.target.sampling import Sampling
+    from recap.verifier.sampling import Sampling
 
     target = load_target("tiny-llama")
     expected = target.tokenizer.decode(decode(target, make_proposer("ar"), target.prepare("Once upon a time"),

@@ -352,7 +352,7 @@ def test_one_requests_failure_in_a_shared_step_fails_only_that_request(monkeypat
     step's exception failed every request in the batch."""
     import concurrent.futures
 
-    from recap.target.base import TargetModel
+    from recap.verifier.base import TargetModel
 
     real, calls = TargetModel._fast_rows, {}
 
@@ -766,3 +766,66 @@ def test_a_flooders_job_near_its_time_limit_is_taken_before_the_fair_pick():
     young = job("mallory", 1.0)
     engine = types.SimpleNamespace(_jobs=deque([young, bob]), _in_flight={"mallory": 3})
     assert Engine._next_job(engine) is bob  # the fair pick
+
+
+def test_a_job_that_expired_in_the_queue_gets_no_lane(monkeypatch):
+    """One lane, busy for longer than a queued job's time limit: when the lane frees, that job
+    is answered 504 without being admitted (no prefill, no step). Before: it was admitted,
+    prefilled and stepped once, then stopped."""
+    import threading
+
+    from recap.serve.engine import Job
+    from tests.conftest import load_target
+
+    with serving("tiny-llama", method="ar", max_batch=1, max_tokens_limit=400) as (url, app):
+        engine = app.state.engine
+        _slow_steps(app, 0.01)
+        admitted, admit = [], engine._admit
+        monkeypatch.setattr(engine, "_admit", lambda job: admitted.append(job) or admit(job))
+        busy = threading.Thread(target=lambda: httpx.post(url + CHAT, timeout=60, json={
+            "model": "tiny-llama", "max_tokens": 40, "messages": [{"role": "user", "content": "Go on."}]}))
+        busy.start()
+        _wait_for(lambda: engine.busy, "the first request never ran")
+        events: list[dict] = []
+        late = Job(tenant="default", inputs=load_target("tiny-llama").prepare("Hello"), max_tokens=4,
+                   emit=events.append, deadline=time.monotonic() + 0.05)
+        app.state.admission.enter("default")  # as the HTTP side does around its submit
+        engine.submit(late)
+        app.state.admission.leave()
+        busy.join(60)
+        _wait_for(lambda: events, "the expired job was never answered")
+        assert [event["status"] for event in events] == [504]
+        assert all(job is not late for job in admitted)
+
+
+def test_a_version_field_that_is_no_number_of_ours_is_not_a_500():
+    """``--replicas``: a memory file's version "²" passes ``str.isdigit`` and fails ``int``;
+    before, every request of that tenant was a 500. It reads as version -1 (not ours: the
+    file is reloaded), a plain number as itself."""
+    from recap.serve.shared import VERSION_KEY, file_version
+
+    assert file_version({VERSION_KEY: "²"}) == -1
+    assert file_version({VERSION_KEY: "12"}) == 12
+    assert file_version({}) == 0 and file_version(None) == 0
+
+
+def test_a_failing_finish_callback_does_not_stop_the_decoder(caplog):
+    """The report after an answer (metrics, admission) raising once is one log line; the
+    next request is still decoded. Before: the exception ended the decoding thread, and
+    every later request waited for ever."""
+    with serving("tiny-llama", method="ar") as (url, app):
+        engine = app.state.engine
+        report, failed = engine.on_finish, []
+
+        def failing_once(job, event):
+            if not failed:
+                failed.append(1)
+                raise RuntimeError("a report that fails")
+            report(job, event)
+
+        engine.on_finish = failing_once
+        for prompt in ("Hello", "Hello again"):
+            reply = httpx.post(url + CHAT, timeout=30, json={
+                "model": "tiny-llama", "max_tokens": 4, "messages": [{"role": "user", "content": prompt}]})
+            assert reply.status_code == 200, reply.text
+        assert failed and "answering a finished request failed" in caplog.text

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from recap.errors import RecapError
-from recap.target.kernels import threads
+from recap.verifier.kernels import threads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,8 +32,8 @@ SCRIPT = textwrap.dedent('''
     import recap
     from recap.serve.engine import Engine, Job
     from recap.serve.tenants import TenantStreams
-    from recap.target.kernels.threads import kernel_threads
-    from recap.target.profile import measure_profile
+    from recap.verifier.kernels.threads import kernel_threads
+    from recap.verifier.profile import measure_profile
     seen = {}
 
     def note(entry):

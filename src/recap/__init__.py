@@ -14,8 +14,8 @@ from recap.decoding import DecodeStep, Decoding, GenerationResult, decode, gener
 from recap.errors import InputError, RecapError
 from recap.models import load
 from recap.proposers import PROPOSERS, Proposer, make_proposer
-from recap.target import Target, TargetModel, wrap
-from recap.target.sampling import Sampling
+from recap.verifier import Target, TargetModel, wrap
+from recap.verifier.sampling import Sampling
 
 __all__ = ["PROPOSERS", "Batch", "DecodeStep", "Decoding", "GenerationResult", "InputError", "Proposer", "RecapError",
            "Sampling", "Target", "TargetModel", "decode", "generate", "generate_batch", "load", "make_proposer", "wrap"]

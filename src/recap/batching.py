@@ -37,9 +37,9 @@ from recap.core.chooser import share_budget
 from recap.decoding import DecodeStep, Decoding, GenerationResult
 from recap.errors import InputError
 from recap.proposers import Proposer, make_proposer
-from recap.target import TargetModel
-from recap.target.batch import verify_batch
-from recap.target.sampling import Sampling
+from recap.verifier import TargetModel
+from recap.verifier.batch import verify_batch
+from recap.verifier.sampling import Sampling
 
 PREFILL_ROWS_PER_STEP = 32
 """Prompt rows of newcomers computed per step beside the running requests' trees: how long a

@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from recap.decoding import decode
+from recap.decoding import decode, reference_generate
 from recap.prompts import check_prompts
 from recap.proposers import Proposer, make_proposer
-from recap.target import TargetModel
+from recap.verifier import TargetModel
 
 
 def claims_exact(dtype: str, kernels: str) -> bool:
@@ -116,10 +116,10 @@ def run_check(target: TargetModel, method: str | Proposer, *, prompts: int = 30,
         inputs = target.prepare(prompt, image)
         limit = int(rng.integers(4, max_new_tokens + 1)) if vary else max_new_tokens
         eos = target.eos_token_ids
-        reference = reference_target.reference_generate(inputs, limit, eos)
+        reference = reference_generate(reference_target, inputs, limit, eos)
         if vary and index % 2 == 1 and len(reference) > 2:
             eos = [reference[int(rng.integers(1, len(reference) - 1))]]
-            reference = reference_target.reference_generate(inputs, limit, eos)
+            reference = reference_generate(reference_target, inputs, limit, eos)
         proposer.set_reference(inputs.prompt_ids + reference)  # only oracle test drafters read it
         result = decode(target, proposer, inputs, max_new_tokens=limit, eos_token_ids=eos)
         case = CheckCase(index=index, prompt=prompt, has_image=image is not None, max_new_tokens=limit,

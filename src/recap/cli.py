@@ -62,7 +62,7 @@ def _sampling_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _sampling(args: argparse.Namespace, seed: int | None):
-    from recap.target.sampling import Sampling
+    from recap.verifier.sampling import Sampling
 
     return Sampling.of(args.temperature, args.top_k, args.top_p, seed)
 
@@ -463,7 +463,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from recap.models import load
-    from recap.target.profile import measure_profile, profile_path, save_profile
+    from recap.verifier.profile import measure_profile, profile_path, save_profile
 
     try:
         device = torch.device(args.device)

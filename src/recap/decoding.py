@@ -17,8 +17,8 @@ from PIL import Image
 from recap.core import CostProfile, DraftTree, StepLimits, VerifiedTree
 from recap.errors import InputError
 from recap.proposers import Proposer, make_proposer
-from recap.target import ModelInputs, Target, TargetModel
-from recap.target.sampling import Sampler, Sampling
+from recap.verifier import ModelInputs, Target, TargetModel
+from recap.verifier.sampling import Sampler, Sampling
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class Decoding:
     the iterator is exhausted. Leaving early (``break``, ``close()``, an error, a cancelled
     request) still frees the KV cache and ends the proposer's request.
 
-    The loop uses only what `recap.target.protocol.Target` and `recap.proposers.Proposer`
+    The loop uses only what `recap.verifier.protocol.Target` and `recap.proposers.Proposer`
     declare (context limit, sliding window, sampling, image-attention capture, cost profile,
     ``wants_cost``, ``wants_image_attention``, ``prompt_rows``): any target and proposer that conform run here."""
 
@@ -248,7 +248,7 @@ def decode(target: Target, proposer: Proposer, inputs: ModelInputs | Sequence[in
            sampling: Sampling | None = None) -> GenerationResult:
     """Generation of at most ``max_new_tokens`` tokens, stopping after any EOS token. Greedy
     by default: the output equals ``model.generate(do_sample=False)``. With ``sampling`` each
-    token is an exact draw from the target's processed distribution (`recap.target.sampling`),
+    token is an exact draw from the target's processed distribution (`recap.verifier.sampling`),
     the same tokens for the same seed whatever the method. The proposer only changes speed.
 
     A cost-aware proposer (``wants_cost``) sizes each tree with ``cost``, by default the
@@ -272,3 +272,14 @@ def generate(target: TargetModel, prompt: str | list[dict], *, image: Image.Imag
     result = decode(target, proposer, inputs, max_new_tokens=max_new_tokens, sampling=sampling)
     result.text = target.tokenizer.decode(result.tokens, skip_special_tokens=True)
     return result
+
+
+def reference_generate(target: TargetModel, inputs: ModelInputs, max_new_tokens: int,
+                       eos_token_ids: Sequence[int] | None = None) -> list[int]:
+    """The greedy output every method must reproduce on this target's kernels: on ``stock``,
+    ``model.generate(do_sample=False)`` (`TargetModel.stock_generate`); on ``fast``, plain
+    one-token decoding on the same fast kernels (exact by construction, DESIGN.md 11)."""
+    if target.kernels == "stock":
+        return target.stock_generate(inputs, max_new_tokens, eos_token_ids)
+    return decode(target, make_proposer("ar"), inputs, max_new_tokens=max_new_tokens,
+                  eos_token_ids=eos_token_ids).tokens

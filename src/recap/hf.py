@@ -43,8 +43,8 @@ from recap.core import CostProfile
 from recap.decoding import Decoding
 from recap.errors import InputError
 from recap.proposers import Proposer, make_proposer
-from recap.target import ModelInputs, TargetModel, wrap
-from recap.target.sampling import Sampling, SamplingError
+from recap.verifier import ModelInputs, TargetModel, wrap
+from recap.verifier.sampling import Sampling, SamplingError
 
 WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 STOPS = (MaxLengthCriteria, EosTokenCriteria, MaxTimeCriteria)
@@ -162,7 +162,7 @@ class RecapGenerate:
         if self.cost_profile not in (None, "auto") or target.cost_profile is not None \
                 or not self.proposer.wants_cost:
             return
-        from recap.target.profile import profile_key, profile_path
+        from recap.verifier.profile import profile_key, profile_path
 
         path = profile_path(profile_key(target))
         if not path.exists():

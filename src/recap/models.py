@@ -38,23 +38,13 @@ from transformers import (
 )
 
 from recap.errors import InputError
-from recap.target import FAMILIES, TargetModel, wrap
+from recap.paths import cache_dir, model_cache_dir  # noqa: F401 - also read as recap.models.cache_dir
+from recap.verifier import FAMILIES, TargetModel, wrap
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 BUILD_VERSION = 1
 """Bump when a built-in builder changes, so stale cached builds are not reused."""
-
-
-def cache_dir() -> Path:
-    """Where recap caches what it builds or measures: ``$RECAP_CACHE`` or ``~/.cache/recap``."""
-    return Path(os.environ.get("RECAP_CACHE", Path.home() / ".cache" / "recap")).expanduser()
-
-
-def model_cache_dir() -> Path:
-    """Where the built-in models are built: ``$RECAP_MODEL_CACHE``, else `cache_dir`."""
-    folder = os.environ.get("RECAP_MODEL_CACHE")
-    return Path(folder).expanduser() if folder else cache_dir()
 
 
 # --------------------------------------------------------------------------- public API
@@ -71,7 +61,7 @@ def load(model: str | os.PathLike | tuple[Any, Any], *, dtype: str = "float32", 
     path and ``weights="float"`` read, and what the blocks are checked against at load);
     ``None``: where twice its float bytes fit in the memory available, else the model is built
     without those copies and the fast kernels read the file alone (`stored.model_from_file`)."""
-    from recap.target.kernels.stored import without_float_copy
+    from recap.verifier.kernels.stored import without_float_copy
 
     def cpu_only() -> None:
         raise InputError(f"a model built without its float copy runs on the CPU kernels only, not {device}")
@@ -128,8 +118,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, *, float_copy: bool | None = None
                weights: str = "auto") -> tuple[PreTrainedModel, Any]:
     """A causal LM and its tokenizer from a GGUF file: transformers de-quantises it to float
     where ``float_copy`` says so (`load`), else the model is built without the float copies
-    of what the fast kernels read as blocks (`recap.target.kernels.stored.model_from_file`)."""
-    from recap.target.kernels.stored import float_bytes, model_from_file
+    of what the fast kernels read as blocks (`recap.verifier.kernels.stored.model_from_file`)."""
+    from recap.verifier.kernels.stored import float_bytes, model_from_file
 
     needs_floats = weights == "float" or dtype != torch.float32
     if float_copy is False and needs_floats:

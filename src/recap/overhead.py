@@ -27,8 +27,8 @@ from recap.core import CostProfile, DraftTree, PromptRows, StepLimits, VerifiedT
 from recap.core.tree import additive_mask
 from recap.decoding import Decoding
 from recap.proposers import Proposer, make_proposer
-from recap.target.protocol import BaseTarget
-from recap.target.sampling import Sampler
+from recap.verifier.protocol import BaseTarget
+from recap.verifier.sampling import Sampler
 
 _MASK_MIN = np.float32(np.finfo(np.float32).min)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
@@ -43,7 +43,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 class SyntheticTarget(BaseTarget):
-    """A deterministic stand-in for the model: a `recap.target.protocol.Target` (greedy only,
+    """A deterministic stand-in for the model: a `recap.verifier.protocol.Target` (greedy only,
     no context limit, no image) that `recap.decoding.decode` drives like a real one. Its
     verify-cost profile is ``cost_profile`` (None: none, so cost-aware methods keep their
     budget); with ``pack_trees`` every ``verify`` also does the host packing a real target
@@ -198,7 +198,7 @@ class SyntheticTarget(BaseTarget):
 # -------------------------------------------------------------------- the measured host work
 def pack_tree(root: int, tree: DraftTree, past_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The host part of `TargetModel.verify` before the forward: packed tokens, positions and the
-    additive (N, past_len + N) mask, as `recap.target.attention.tree_attention_mask` builds it
+    additive (N, past_len + N) mask, as `recap.verifier.attention.tree_attention_mask` builds it
     (float32 here; the real target then converts to torch and copies to the device)."""
     tokens, depths = tree.packed(root)
     return tokens, depths + past_len, additive_mask(tree.ancestor_matrix(), past_len, _MASK_MIN)

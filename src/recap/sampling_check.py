@@ -20,8 +20,8 @@ import torch
 
 from recap.decoding import decode
 from recap.proposers import Proposer
-from recap.target import ModelInputs, TargetModel
-from recap.target.sampling import Sampler, Sampling
+from recap.verifier import ModelInputs, TargetModel
+from recap.verifier.sampling import Sampler, Sampling
 
 OTHER = ("other",)
 MIN_EXPECTED = 5.0

@@ -13,7 +13,7 @@ versions).
 from __future__ import annotations
 
 from recap.bench.runner import Bench, BenchConfig, BenchRun
-from recap.target import TargetModel
+from recap.verifier import TargetModel
 
 
 def run_bench(config: BenchConfig, *, target: TargetModel | None = None, console=None,

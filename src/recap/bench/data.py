@@ -63,15 +63,11 @@ def default_data_dir() -> Path:
     return Path(__file__).resolve().parents[4] / "shared" / "data" / "mmspec"
 
 
-def resolve_data(spec: str | None) -> Path:
-    """The jsonl file behind ``--data``: ``mmspec`` (the default folder), ``mmspec=PATH`` or
-    ``PATH`` (a folder holding mmspec.jsonl, or the jsonl file itself); ``repeats`` or
-    ``repeats=MMSPEC`` is the stress set `recap.bench.repeats` builds from that MMSpec data."""
+def mmspec_path(spec: str | None) -> Path:
+    """The MMSpec jsonl file a spec names: ``mmspec`` (the default folder), ``mmspec=PATH`` or
+    ``PATH`` (a folder holding mmspec.jsonl, or the jsonl file itself). ``--data`` also takes
+    the repeats set built from it: `recap.bench.sources.resolve_data`."""
     spec = (spec or "mmspec").strip()
-    if spec == "repeats" or spec.startswith("repeats="):
-        from recap.bench import repeats
-
-        return repeats.cached(resolve_data(spec[len("repeats="):] or "mmspec"))
     if spec == "mmspec":
         folder = default_data_dir()
         if not (folder / DATA_FILE).is_file():

@@ -4,18 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
-from pathlib import Path
 
-
-def cpu_model() -> str:
-    """The CPU's marketing name (Linux /proc/cpuinfo, else what `platform` knows)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.lower().startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
+from recap.machine import cpu_model
 
 
 def machine() -> dict:

@@ -34,8 +34,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from recap.bench.data import DATA_FILE, BenchItem, load_items
+from recap.bench.data import DATA_FILE, BenchItem, load_items, mmspec_path
 from recap.core.persistence import temporary_path
+from recap.paths import cache_dir
 
 VERSION = 1
 SOURCES = ("general vqa", "image captioning", "chart understanding", "multi-turn conversation")
@@ -103,8 +104,6 @@ def write(out: Path, mmspec_file: Path, per_source: int = 1) -> Path:
 
 def cached(mmspec_file: Path, per_source: int = 1) -> Path:
     """The set built from ``mmspec_file`` under ``cache_dir()/data`` (written when missing)."""
-    from recap.models import cache_dir
-
     digest = hashlib.sha256(f"{VERSION}:{per_source}:{Path(mmspec_file).resolve()}:".encode()
                             + Path(mmspec_file).read_bytes()).hexdigest()[:12]
     folder = cache_dir() / "data" / f"repeats-v{VERSION}-{digest}"
@@ -113,14 +112,12 @@ def cached(mmspec_file: Path, per_source: int = 1) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from recap.bench.data import resolve_data
-
     parser = argparse.ArgumentParser(prog="python -m recap.bench.repeats", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="folder to write mmspec.jsonl into")
     parser.add_argument("--mmspec", default="mmspec", help="the MMSpec data it is built from (as recap bench --data)")
     parser.add_argument("--per-source", type=int, default=1, help="MMSpec items per source topic and kind")
     args = parser.parse_args(argv)
-    path = write(Path(args.out), resolve_data(args.mmspec), args.per_source)
+    path = write(Path(args.out), mmspec_path(args.mmspec), args.per_source)
     print(f"wrote {path}; run: recap bench --data {path}")
     return 0
 

@@ -27,12 +27,13 @@ from recap.bench import data as bench_data
 from recap.bench.environment import machine, versions
 from recap.bench.metrics import FLOAT_REFERENCE, REFERENCE, STOCK_REFERENCE, first_difference, unit_tau
 from recap.bench.results import ResultsFile, check_settings, interrupts_held, write_json_atomic
+from recap.bench.sources import resolve_data
 from recap.bench.streams import MethodSpec, StreamCheckpoints, is_stateful, parse_methods
 from recap.decoding import GenerationResult, decode
 from recap.errors import InputError
 from recap.images import load_image
-from recap.target import TargetModel
-from recap.target.kernels.threads import check_read_back, read_back
+from recap.verifier import TargetModel
+from recap.verifier.kernels.threads import check_read_back, read_back
 
 DEFAULT_METHODS = ("recap", "recap-paper", "pld", "sam")
 """Compared with AR by default, those of them that are registered."""
@@ -67,7 +68,7 @@ class BenchConfig:
     cached or measured once), ``flat`` or a profile file (`recap calibrate --out`)."""
     temperature: float | None = None
     """> 0: sample (with ``top_k``, ``top_p``); each unit's seed is shared by every method,
-    so their outputs are still identical token for token (`recap.target.sampling`)."""
+    so their outputs are still identical token for token (`recap.verifier.sampling`)."""
     top_k: int | None = None
     top_p: float | None = None
     kernels: str = "auto"
@@ -80,7 +81,7 @@ class BenchConfig:
 
     def sampling(self, unit_key: str):
         """The unit's sampling settings (None: greedy)."""
-        from recap.target.sampling import Sampling
+        from recap.verifier.sampling import Sampling
 
         seed = int.from_bytes(hashlib.sha256(f"{self.seed}:sample:{unit_key}".encode()).digest()[:7], "big")
         return Sampling.of(self.temperature, self.top_k, self.top_p, seed)
@@ -154,7 +155,7 @@ class Bench:
             raise InputError(f"--max-new-tokens must be at least 1, got {config.max_new_tokens}")
         if config.limit is not None and config.limit < 1:
             raise InputError(f"--limit must be at least 1, got {config.limit}")
-        self.data_path = bench_data.resolve_data(config.data)
+        self.data_path = resolve_data(config.data)
         self.items = bench_data.select(bench_data.load_items(self.data_path), config.topics, config.limit)
         self.units = bench_data.units_of(self.items)
         self.out = Path(config.out)

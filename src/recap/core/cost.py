@@ -4,7 +4,7 @@
 A speculative step pays off only when the tokens it is expected to commit outgrow what its
 larger forward costs, and that curve differs by device: nearly flat up to ~64 tokens on a
 GPU, 4-5x one token at 64 on a small CPU. `CostProfile` holds a measured grid (sizes x
-context lengths) and interpolates it; `recap.target.profile` measures and caches it, and
+context lengths) and interpolates it; `recap.verifier.profile` measures and caches it, and
 `CostProfile.flat()` simulates free verification. Online, each real verification's time
 nudges a per-size correction (`observe`), so a profile measured under other load or at
 other context lengths drifts towards what the run actually sees.
@@ -49,7 +49,7 @@ class CostProfile:
     """Weight of one observed verification in the running per-size correction."""
     row_block: int = 1
     """Packed sizes past 2 are computed in blocks of this many rows (the fast kernels pad a
-    step to a multiple of 4, `recap.target.kernels.linear.padded_rows`): the cost is then a
+    step to a multiple of 4, `recap.verifier.kernels.linear.padded_rows`): the cost is then a
     staircase, the same for every size of one block, and the grid is read as the cost of
     each measured size's whole block (1: none). Fixed at construction (`dataclasses.replace`
     for another)."""

@@ -98,7 +98,7 @@ class DraftTree:
     def ancestor_lists(self) -> tuple[np.ndarray, np.ndarray]:
         """Each packed position's path, root first and itself last, as CSR arrays:
         ``paths[starts[a]:starts[a + 1]]`` for packed position a (the root's path is [0]).
-        What the project's own tree attention reads instead of a mask (`recap.target.kernels`)."""
+        What the project's own tree attention reads instead of a mask (`recap.verifier.kernels`)."""
         parents = self.parents.tolist()
         lengths = [1] + [int(d) + 1 for d in self.depths.tolist()]
         starts = np.zeros(len(parents) + 2, dtype=np.int64)

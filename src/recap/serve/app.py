@@ -61,7 +61,7 @@ from recap.serve.tenants import (
     tenant_for,
     valid_tenant_name,
 )
-from recap.target import ModelInputs, TargetModel
+from recap.verifier import ModelInputs, TargetModel
 
 log = logging.getLogger("recap.serve")
 MIN_BODY_SECONDS = 1.0

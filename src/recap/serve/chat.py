@@ -30,7 +30,7 @@ from typing import Any
 
 from PIL import Image
 
-from recap.target.sampling import Sampling, SamplingError
+from recap.verifier.sampling import Sampling, SamplingError
 
 log = logging.getLogger("recap.serve")
 

@@ -30,8 +30,8 @@ import numpy as np
 from recap.batching import DEFAULT_MAX_BATCH, Batch, BatchEvent
 from recap.decoding import Decoding
 from recap.serve.tenants import MemoryUnavailable, TenantStreams
-from recap.target import ModelInputs, Target
-from recap.target.sampling import Sampling
+from recap.verifier import ModelInputs, Target
+from recap.verifier.sampling import Sampling
 
 log = logging.getLogger("recap.serve")
 
@@ -505,6 +505,11 @@ class Engine:
         self._finish(job, event)
 
     def _finish(self, job: Job, event: dict[str, Any]) -> None:
-        job.emit(event)
-        if self.on_finish is not None:
-            self.on_finish(job, event)
+        """Answer the job and report it; a failing callback (a client's loop already closed,
+        a metric) is logged, never the end of the decoding thread."""
+        try:
+            job.emit(event)
+            if self.on_finish is not None:
+                self.on_finish(job, event)
+        except Exception:  # noqa: BLE001 - the worker must survive any request
+            log.exception("answering a finished request failed")

@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.np.numpy_support import as_dtype
 
-from recap.target.kernels import llvm_ops, widen
+from recap.verifier.kernels import llvm_ops, widen
 
 _FLOAT = ir.FloatType()
 _I8 = ir.IntType(8)

@@ -16,17 +16,18 @@ import numpy as np
 import torch
 
 from recap.core import DraftTree, VerifiedTree
-from recap.target.base import TargetModel
-from recap.target.kernels.prefix import ChunkedPrefill
-from recap.target.protocol import Target
-from recap.target.sampling import Sampler
+from recap.verifier.kernels.prefix import ChunkedPrefill
+from recap.verifier.protocol import Target
+from recap.verifier.sampling import Sampler
 
 
 def can_batch(lanes: Sequence[Target]) -> bool:
-    """Whether these lanes can share one forward: all `TargetModel` lanes on the same model's
-    fast kernels (any other `Target` is verified on its own)."""
-    return bool(lanes) and all(isinstance(lane, TargetModel) and lane._kv is not None
-                               and lane._fast is lanes[0]._fast for lane in lanes)
+    """Whether these lanes can share one forward: each one the first lane says it shares its
+    forward with (`TargetModel.shares_forward_with`: lanes holding a request on the same
+    model's fast kernels); any other `Target` is verified on its own."""
+    first = lanes[0] if lanes else None
+    shares = getattr(first, "shares_forward_with", None)
+    return shares is not None and all(shares(lane) for lane in lanes)
 
 
 def _embeds(vectors: np.ndarray | None) -> list[tuple[int, np.ndarray]]:

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from recap.target.kernels import quantized
-from recap.target.kernels.stored import ROLES
+from recap.verifier.kernels import quantized
+from recap.verifier.kernels.stored import ROLES
 
 Q4_K_M = {"embed": "Q6_K", "head": "Q6_K", "v": "Q6_K", "down": "Q6_K"}
 """Roles a Q4_K_M file stores in Q6_K (llama.cpp's choice, in its simplest form); the rest Q4_K."""

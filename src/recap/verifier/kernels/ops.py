@@ -17,10 +17,10 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from recap.target.kernels import lanes
-from recap.target.kernels.exp import exp32
-from recap.target.kernels.lanes import LANES
-from recap.target.kernels.linear import NO_BIAS, KernelDefect, _block3
+from recap.verifier.kernels import lanes
+from recap.verifier.kernels.exp import exp32
+from recap.verifier.kernels.lanes import LANES
+from recap.verifier.kernels.linear import NO_BIAS, KernelDefect, _block3
 
 KEY_BLOCK = 3
 """Keys scored together by `_quad_scores` (the 3x4 block of the linear layers: 3 keys x 4

@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from recap.core import NOT_COMPUTED, ROWS_WANTED
-from recap.target.kernels.cache import KVCache
+from recap.verifier.kernels.cache import KVCache
 
 if TYPE_CHECKING:
     from recap.core import PromptRows, RowsWanted
-    from recap.target.base import LanguageInputs, TargetModel
-    from recap.target.sampling import Sampler
+    from recap.verifier.base import LanguageInputs, TargetModel
+    from recap.verifier.sampling import Sampler
 
 PREFILL_CHUNK = 64
 """Prompt rows per prefill forward: bounds the step buffers (and, in a server, how long one
@@ -126,7 +126,7 @@ class PrefixCache:
 class ChunkedPrefill:
     """One text prompt's prefill on a lane, run as chunks of a chain: by ``TargetModel.prefill``
     one forward per chunk, or by a batch inside its steps beside other requests' trees
-    (`recap.target.batch.verify_batch`), so a newcomer's prefill holds the running requests
+    (`recap.verifier.batch.verify_batch`), so a newcomer's prefill holds the running requests
     back by one chunk per step at most. Rows shared with a recent prompt of the same scope are
     copied from the lane's `PrefixCache` first; the last row is always computed.
 

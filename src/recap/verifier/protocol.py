@@ -1,7 +1,7 @@
 """What the decoding loop needs from a target: the `Target` protocol and its defaults.
 
 `recap.decoding` drives any object that satisfies `Target`: the Hugging Face adapter
-`recap.target.TargetModel`, or a stand-in such as `recap.overhead.SyntheticTarget`. Every
+`recap.verifier.TargetModel`, or a stand-in such as `recap.overhead.SyntheticTarget`. Every
 ability the loop relies on is declared here, including the optional ones (a context limit,
 image-attention capture, a verify-cost profile, sampling), so the loop calls them instead of
 probing; `BaseTarget` says "not available" for each, and a target overrides what it has.
@@ -16,7 +16,7 @@ from recap.core import CostProfile, DraftTree, PromptRows, RowsWanted, VerifiedT
 from recap.errors import InputError
 
 if TYPE_CHECKING:
-    from recap.target.sampling import Sampler
+    from recap.verifier.sampling import Sampler
 
 
 @runtime_checkable
@@ -64,7 +64,7 @@ class Target(Protocol):
         unknown, so such a proposer keeps its fixed budget."""
 
     batches: bool
-    """Whether lanes from ``fork`` share one forward per step (`recap.target.batch`), so that
+    """Whether lanes from ``fork`` share one forward per step (`recap.verifier.batch`), so that
     continuous batching pays; False: requests are best decoded one at a time."""
 
     def fork(self) -> Target | None:
@@ -73,7 +73,7 @@ class Target(Protocol):
 
     def prefill_chunks(self, inputs: Any) -> Any | None:
         """The prompt's prefill as chunks a batch runs inside its steps
-        (`recap.target.kernels.prefix.ChunkedPrefill`); None: ``prefill`` runs it whole."""
+        (`recap.verifier.kernels.prefix.ChunkedPrefill`); None: ``prefill`` runs it whole."""
 
     def encode_images(self, inputs: Any) -> Any:
         """The inputs with any image already through the vision tower (a server calls this

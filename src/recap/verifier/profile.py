@@ -35,12 +35,14 @@ import torch
 from recap.core.cost import DEFAULT_SIZES, PROFILE_VERSION, CostProfile, ProfileError
 from recap.core.tree import ROOT, DraftTree
 from recap.errors import InputError
-from recap.target.kernels import KERNELS_REVISION, linear
-from recap.target.kernels.linear import ROW_BLOCK
-from recap.target.kernels.threads import check_read_back, read_back
+from recap.machine import cpu_model
+from recap.paths import cache_dir
+from recap.verifier.kernels import KERNELS_REVISION, linear
+from recap.verifier.kernels.linear import ROW_BLOCK
+from recap.verifier.kernels.threads import check_read_back, read_back
 
 if TYPE_CHECKING:
-    from recap.target.base import MeasuringSession, TargetModel
+    from recap.verifier.base import MeasuringSession, TargetModel
 
 DEFAULT_CONTEXTS = (128, 1024)
 """Context lengths measured: two, so the growth of t(N) with the cached prefix is known."""
@@ -62,8 +64,6 @@ Progress = Callable[[int, int], None]
 # --------------------------------------------------------------------------- keys and files
 @functools.cache
 def _cpu_model() -> str:
-    from recap.bench.environment import cpu_model
-
     return cpu_model()
 
 
@@ -86,8 +86,6 @@ def profile_key(target: TargetModel) -> dict:
 
 def profile_path(key: dict) -> Path:
     """The cache file for ``key``: equal keys, equal path."""
-    from recap.models import cache_dir
-
     canonical = json.dumps(key, sort_keys=True, separators=(",", ":"))
     return cache_dir() / "profiles" / f"{hashlib.sha256(canonical.encode()).hexdigest()[:16]}.json"
 

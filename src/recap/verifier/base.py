@@ -37,13 +37,13 @@ from recap.core import (
     first_eligible,
 )
 from recap.errors import InputError
-from recap.target.attention import compact_cache, tree_attention_mask, tree_positions
-from recap.target.image_attention import ImageAttentionCapture
-from recap.target.kernels.args import language_model
-from recap.target.kernels.prefix import PREFILL_CHUNK, ChunkedPrefill
-from recap.target.kernels.stored import without_float_copy
-from recap.target.protocol import BaseTarget
-from recap.target.sampling import Sampler
+from recap.verifier.attention import compact_cache, tree_attention_mask, tree_positions
+from recap.verifier.image_attention import ImageAttentionCapture
+from recap.verifier.kernels.args import language_model
+from recap.verifier.kernels.prefix import PREFILL_CHUNK, ChunkedPrefill
+from recap.verifier.kernels.stored import without_float_copy
+from recap.verifier.protocol import BaseTarget
+from recap.verifier.sampling import Sampler
 
 WEIGHTS = ("auto", "stored", "float")
 """What the fast kernels read (`TargetModel.weights`): ``stored`` GGUF blocks, ``float`` the
@@ -126,7 +126,7 @@ def first_argmax(logits: torch.Tensor, values: torch.Tensor, ids: torch.Tensor) 
 
 
 class TargetModel(BaseTarget):
-    """Base adapter: a decoder-only causal LM, a `recap.target.protocol.Target` with every
+    """Base adapter: a decoder-only causal LM, a `recap.verifier.protocol.Target` with every
     optional ability (context limit, sliding window, image-attention capture, cost profile,
     sampling). Subclasses override the hooks marked below."""
 
@@ -153,7 +153,7 @@ class TargetModel(BaseTarget):
         """Verify-cost profile handed to cost-aware proposers; None: resolved on first use."""
         self._cost_key: dict | None = None
         self.kernels = "stock"
-        """``fast``: decode and verify steps on the project's own kernels (`recap.target.kernels`);
+        """``fast``: decode and verify steps on the project's own kernels (`recap.verifier.kernels`);
         ``stock``: transformers' forward. Set by `use_kernels`."""
         self._fast: Any = None
         self._float_copies: Any = None
@@ -196,11 +196,17 @@ class TargetModel(BaseTarget):
         """On the fast kernels, lanes share one forward per step; stock verifies them in turn."""
         return self.kernels == "fast"
 
+    def shares_forward_with(self, other: object) -> bool:
+        """Whether ``other`` can ride in this lane's forward (`recap.verifier.batch`): both hold
+        a request on the same model's fast kernels."""
+        return isinstance(other, TargetModel) and self._kv is not None and other._kv is not None \
+            and other._fast is self._fast
+
     def fork(self) -> TargetModel:
         """Another request lane on the same model: it shares the weights, the fast kernels,
         the tokenizer and the cost profile, and has its own KV state. Batched decoding
         (`recap.batching`) runs each request on its own lane, so several requests can be
-        between prefill and release at once; `recap.target.batch.verify_batch` verifies their
+        between prefill and release at once; `recap.verifier.batch.verify_batch` verifies their
         trees in one forward."""
         lane = copy.copy(self)
         lane._reset_request()
@@ -237,7 +243,7 @@ class TargetModel(BaseTarget):
         architecture is supported, else ``stock``), ``fast`` (an error where unsupported) or
         ``stock``. Returns the path now in use. The fast path reads the model's own weights
         and is compiled and warmed here, once per target."""
-        from recap.target.kernels import KERNELS, FastDecoder, unsupported
+        from recap.verifier.kernels import KERNELS, FastDecoder, unsupported
 
         if kernels not in KERNELS:
             raise InputError(f"unknown kernels {kernels!r}; choose one of: {', '.join(KERNELS)}")
@@ -256,11 +262,11 @@ class TargetModel(BaseTarget):
                              f"({self.name} was not)" if self.gguf_file is None else
                              "--weights stored needs the fast kernels (the stock path reads float weights)")
         if kernels == "fast" and self._fast is None:
-            from recap.target.kernels.prefix import PrefixCache
+            from recap.verifier.kernels.prefix import PrefixCache
 
             self._fast = self._fast_decoder(FastDecoder)
             self.prefix_cache = PrefixCache()
-            """Recent prompts' KV rows, shared by every lane (`recap.target.kernels.prefix`)."""
+            """Recent prompts' KV rows, shared by every lane (`recap.verifier.kernels.prefix`)."""
         if self._float_copies is not None and kernels == "stock":  # the stock path reads the floats
             self._float_copies.restore()
         elif self._float_copies is not None:  # the fast one reads the blocks
@@ -272,7 +278,7 @@ class TargetModel(BaseTarget):
         """The fast decoder, on the GGUF file's blocks where `weights` asks for them (``auto``:
         where the file is known and its blocks match the model; a mismatch falls back to the
         float weights with a warning) and on the model's float weights otherwise."""
-        from recap.target.kernels.stored import FloatCopies, StoredWeights, WeightsMismatch
+        from recap.verifier.kernels.stored import FloatCopies, StoredWeights, WeightsMismatch
 
         if self._weights_wanted == "float" or self.gguf_file is None:
             return decoder(self.model)
@@ -295,7 +301,7 @@ class TargetModel(BaseTarget):
         --reference float`): ``stored`` or ``float``. Each decoder is built once and kept;
         once a float one exists the float copies stay (it reads them in place). Returns the
         weights now read."""
-        from recap.target.kernels import FastDecoder
+        from recap.verifier.kernels import FastDecoder
 
         if weights not in ("stored", "float"):
             raise InputError(f"use_weights takes stored or float, got {weights!r}")
@@ -426,7 +432,7 @@ class TargetModel(BaseTarget):
 
     def capture_image_attention(self, enabled: bool = True) -> bool:
         """Turn on (or off) the measurement of the final-layer, head-averaged attention mass
-        on the prompt's image tokens (`recap.target.image_attention`). While on, prefill and
+        on the prompt's image tokens (`recap.verifier.image_attention`). While on, prefill and
         verify report it as ``image_attention`` (None for prompts without an image). Returns
         whether it is on: a text-only model or an unsupported attention kernel cannot capture.
         Off, the model runs its stock attention code."""
@@ -590,11 +596,11 @@ class TargetModel(BaseTarget):
         """One forward over [root] + tree nodes, each seeing the prefix and its ancestors.
         Greedy by default; with ``sampler``, the sampling walk decides (``position``: the
         output position the root's row predicts). On the fast path this is a batch of one
-        (`recap.target.batch.verify_batch`), so one request and a batch share every kernel call."""
+        (`recap.verifier.batch.verify_batch`), so one request and a batch share every kernel call."""
         if self.cache is None and self._kv is None:
             raise RuntimeError("verify() before prefill()")
         if self._kv is not None:
-            from recap.target.batch import verify_batch
+            from recap.verifier.batch import verify_batch
 
             return verify_batch([self], [root], [tree], [sampler], [position])[0]
         tokens, depths = tree.packed(root)
@@ -693,7 +699,7 @@ class TargetModel(BaseTarget):
         """What verifying N tokens costs here: the profile set by `use_cost_profile`, else the
         cached one for this model/dtype/threads/machine (measured once, ~15 s, if missing).
         An automatic profile is looked up again when its key changes (e.g. the thread count)."""
-        from recap.target.profile import load_or_measure, profile_key
+        from recap.verifier.profile import load_or_measure, profile_key
 
         if self.cost_profile is not None and self._cost_key is None:
             return self.cost_profile
@@ -706,8 +712,8 @@ class TargetModel(BaseTarget):
     def use_cost_profile(self, spec: str | os.PathLike | CostProfile | None) -> CostProfile | None:
         """Set the verify-cost profile: ``auto`` (or None) resolves lazily on first use,
         ``flat`` simulates free verification, a file or a `CostProfile` is used as given
-        (see `recap.target.profile.resolve_profile`). Returns the profile, None for auto."""
-        from recap.target.profile import resolve_profile
+        (see `recap.verifier.profile.resolve_profile`). Returns the profile, None for auto."""
+        from recap.verifier.profile import resolve_profile
 
         self._cost_key = None
         self.cost_profile = None if spec is None or spec == "auto" else resolve_profile(self, spec)
@@ -730,19 +736,6 @@ class TargetModel(BaseTarget):
         k = self.top_k
         return packed[:, :k].astype(np.int64), packed[:, k : 2 * k].astype(np.float32), \
             packed[:, 2 * k].astype(np.int64)
-
-    def reference_generate(self, inputs: ModelInputs, max_new_tokens: int,
-                           eos_token_ids: Sequence[int] | None = None) -> list[int]:
-        """The greedy output every method must reproduce on this target's kernels: on
-        ``stock``, ``model.generate(do_sample=False)`` (`stock_generate`); on ``fast``, plain
-        one-token decoding on the same fast kernels (exact by construction, DESIGN.md 11)."""
-        if self.kernels == "stock":
-            return self.stock_generate(inputs, max_new_tokens, eos_token_ids)
-        from recap.decoding import decode
-        from recap.proposers import make_proposer
-
-        return decode(self, make_proposer("ar"), inputs, max_new_tokens=max_new_tokens,
-                      eos_token_ids=eos_token_ids).tokens
 
     @torch.inference_mode()
     def stock_generate(self, inputs: ModelInputs, max_new_tokens: int,

@@ -2,7 +2,7 @@
 
 A new family goes in its own module with a `TargetModel` subclass, registered in `FAMILIES`
 by its ``config.model_type``. What the decoding loop needs of any target (a model or a
-stand-in) is the `Target` protocol (`recap.target.protocol`).
+stand-in) is the `Target` protocol (`recap.verifier.protocol`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 
 from recap.errors import InputError
-from recap.target.base import MeasuringSession, ModelInputs, TargetModel
-from recap.target.protocol import BaseTarget, Target
-from recap.target.vision_language import LlavaTarget, QwenVLTarget
+from recap.verifier.base import MeasuringSession, ModelInputs, TargetModel
+from recap.verifier.protocol import BaseTarget, Target
+from recap.verifier.vision_language import LlavaTarget, QwenVLTarget
 
 FAMILIES: dict[str, type[TargetModel]] = {
     "qwen2_vl": QwenVLTarget,

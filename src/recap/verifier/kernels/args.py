@@ -78,7 +78,7 @@ def unsupported(model: torch.nn.Module) -> str | None:
     head = model.get_output_embeddings()
     if head is None or getattr(head, "bias", None) is not None:
         return "no plain linear output head"
-    from recap.target.kernels.stored import unmade
+    from recap.verifier.kernels.stored import unmade
 
     for parameter in model.parameters():  # a placeholder stands for blocks the kernels read from the file
         if parameter.device.type != "cpu" or not (parameter.is_contiguous() or unmade(parameter)):

@@ -24,9 +24,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from recap.target.kernels import lanes
-from recap.target.kernels.lanes import GROUPS, LANES
-from recap.target.kernels.register_blocks import CHUNK, COL_BLOCK, ROW_BLOCK, _block1, _block3, _block4
+from recap.verifier.kernels import lanes
+from recap.verifier.kernels.lanes import GROUPS, LANES
+from recap.verifier.kernels.register_blocks import CHUNK, COL_BLOCK, ROW_BLOCK, _block1, _block3, _block4
 
 BLOCK = GROUPS * LANES
 """Weights a pass reads per weight row: one block of the 32-weight formats."""

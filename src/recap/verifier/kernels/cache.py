@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from recap.target.kernels.args import DecoderArgs
+from recap.verifier.kernels.args import DecoderArgs
 
 
 class KVCache:

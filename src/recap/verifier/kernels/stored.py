@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from recap.errors import InputError
-from recap.target.kernels import quantized
+from recap.verifier.kernels import quantized
 
 ROLES = {
     "q": "ATTN_Q", "k": "ATTN_K", "v": "ATTN_V", "o": "ATTN_OUT",

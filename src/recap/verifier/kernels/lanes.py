@@ -44,7 +44,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from recap.target.kernels import llvm_ops, quantized, widen
+from recap.verifier.kernels import llvm_ops, quantized, widen
 
 LANES = 8
 """Partial sums per dot product. Part of the arithmetic's definition: changing it changes

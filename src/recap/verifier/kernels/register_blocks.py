@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from numba import njit
 
-from recap.target.kernels import lanes
-from recap.target.kernels.lanes import LANES
+from recap.verifier.kernels import lanes
+from recap.verifier.kernels.lanes import LANES
 
 ROW_BLOCK = 4
 """Token rows computed together; callers pad M > 2 up to a multiple of this."""

@@ -4,7 +4,7 @@ cached prefix, on the model's own weights, every row bit-identical to a plain on
 gpt-fast's shape: each block is a short composition (norm, qkv, rope, cache write, attend,
 out; norm, gate/up, down), over preallocated buffers of shape (Mp, width) where Mp is the
 step's row count padded for the linear kernel. Prompts are prefilled by the same step, as
-chains (`recap.target.kernels.prefix`); an image's features come in as input vectors.
+chains (`recap.verifier.kernels.prefix`); an image's features come in as input vectors.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from recap.target.kernels import ops, quantized, quantized_linear, threads
-from recap.target.kernels.args import DecoderArgs, language_model
-from recap.target.kernels.cache import KVCache
-from recap.target.kernels.linear import ROW_BLOCK, GrownLinear, Linear, padded_rows
-from recap.target.kernels.stored import StoredWeights
+from recap.verifier.kernels import ops, quantized, quantized_linear, threads
+from recap.verifier.kernels.args import DecoderArgs, language_model
+from recap.verifier.kernels.cache import KVCache
+from recap.verifier.kernels.linear import ROW_BLOCK, GrownLinear, Linear, padded_rows
+from recap.verifier.kernels.stored import StoredWeights
 
 
 def _weight(tensor: torch.Tensor) -> np.ndarray:
@@ -85,7 +85,7 @@ class _Buffers:
 
 
 class FastDecoder:
-    """Decode / verify steps for a supported model (`recap.target.kernels.unsupported`)."""
+    """Decode / verify steps for a supported model (`recap.verifier.kernels.unsupported`)."""
 
     def __init__(self, model: torch.nn.Module, *, warm_rows: tuple[int, ...] = (1, 8),
                  stored: StoredWeights | None = None):
@@ -98,7 +98,7 @@ class FastDecoder:
 
         self.stored_pairs: list[tuple[torch.nn.Parameter, np.ndarray]] = []
         """(model parameter, the GGUF blocks the kernels read in its place) for each weight
-        read as stored (`recap.target.kernels.stored.FloatCopies` frees the floats)."""
+        read as stored (`recap.verifier.kernels.stored.FloatCopies` frees the floats)."""
 
         def blocks(role: str, layer: int | None, weight: torch.nn.Parameter) -> np.ndarray | None:
             if stored is None:

@@ -50,9 +50,9 @@ import functools
 import numpy as np
 from numba import njit, prange
 
-from recap.target.kernels import lanes, quantized, quantized_linear, threads
-from recap.target.kernels.lanes import LANES
-from recap.target.kernels.register_blocks import (  # noqa: F401 - the constants are part of this module's API
+from recap.verifier.kernels import lanes, quantized, quantized_linear, threads
+from recap.verifier.kernels.lanes import LANES
+from recap.verifier.kernels.register_blocks import (  # noqa: F401 - the constants are part of this module's API
     CHUNK,
     COL_BLOCK,
     PANEL,
@@ -63,7 +63,7 @@ from recap.target.kernels.register_blocks import (  # noqa: F401 - the constants
     _block3,
     _block4,
 )
-from recap.target.kernels.widen import BFLOAT16_STORAGE, FLOAT16_STORAGE, storage
+from recap.verifier.kernels.widen import BFLOAT16_STORAGE, FLOAT16_STORAGE, storage
 
 
 def machine_weight_rows() -> int:

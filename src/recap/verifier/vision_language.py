@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from PIL import Image
 
-from recap.target.base import Message, ModelInputs, TargetModel
+from recap.verifier.base import Message, ModelInputs, TargetModel
 
 
 def with_image(messages: list[Message], image: Image.Image | None) -> list[Message]:

@@ -1,0 +1,124 @@
+"""The package's shape (issue 47): no import circle, no folder a tool would take for build output.
+
+The circle check reads every ``import`` in ``src/recap`` (at module level and inside functions:
+a lazy import only hides a circle) except those under ``if TYPE_CHECKING:``, which never run.
+It failed on the tree before this test: 11 modules in one circle (decoding -> target ->
+base -> batch / prefix / profile -> base, base -> decoding, profile -> models -> target,
+profile -> bench.environment -> recap) and bench.data <-> bench.repeats."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "recap"
+OUTPUT_NAMES = {"target", "build", "dist", "out"}
+"""Folder names the common global ignore templates (Rust, Maven, Python, Node) treat as build output."""
+
+
+def _modules() -> dict[str, Path]:
+    modules = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def _type_checking_only(tree: ast.Module) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:``."""
+    hidden = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            hidden.update(id(inner) for statement in node.body for inner in ast.walk(statement))
+    return hidden
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules ``name`` imports (each import resolved to the longest known module)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    hidden = _type_checking_only(tree)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in hidden:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from package import module` imports that module (what import tools count);
+            # `from module import name` imports the module
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                       for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return circles
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_the_package_has_no_import_circle():
+    graph = _graph()
+    assert len(graph) > 50 and graph["recap.decoding"], "the import walk found nothing"
+    assert _circles(graph) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    """Negative control: the same walk on a graph with one edge added back (base -> decoding,
+    the lazy import `TargetModel.reference_generate` had) reports the circle."""
+    graph = _graph()
+    graph["recap.verifier.base"] = graph["recap.verifier.base"] | {"recap.decoding"}
+    assert any({"recap.decoding", "recap.verifier.base"} <= set(circle) for circle in _circles(graph))
+
+
+@pytest.mark.parametrize("folder", sorted(p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"))
+def test_no_package_folder_looks_like_build_output(folder):
+    assert folder.name not in OUTPUT_NAMES, f"{folder}: global ignore files treat '{folder.name}/' as build output"
