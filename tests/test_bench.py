@@ -23,6 +23,7 @@ from recap.cli import main
 from recap.core import DraftTree
 from recap.errors import InputError
 from recap.proposers import PROPOSERS, BaseProposer, RecapProposer
+from recap.verifier import acceptance
 from tests.broken_verifiers import first_child_walk
 from tests.conftest import load_target
 
@@ -417,7 +418,7 @@ class _EagerDrafter(BaseProposer):
 
 def test_mismatches_are_counted_and_shown_loudly(tmp_path, monkeypatch):
     monkeypatch.setitem(PROPOSERS, "eager", _EagerDrafter)
-    monkeypatch.setattr(DraftTree, "accept", first_child_walk)
+    monkeypatch.setattr(acceptance, "greedy", first_child_walk)
     run = _bench(_config(tmp_path, methods="eager,pld", topics=["alpha"]))
     eager = run.summary["methods"]["eager"]
     assert eager["mismatches"] == 2 and run.summary["mismatches"] >= 2

@@ -14,7 +14,7 @@ from recap.decoding import reference_generate
 from recap.proposers import DecoyDrafter, make_proposer
 from recap.proposers.pld import PromptLookupProposer
 from recap.proposers.testing import RandomDrafter
-from recap.verifier import QwenVLTarget
+from recap.verifier import QwenVLTarget, acceptance
 from recap.verifier.kernels import ops
 from tests.broken_verifiers import first_child_walk
 from tests.conftest import load_target
@@ -174,9 +174,8 @@ def test_positions_without_mrope_delta_are_detected(kernels, monkeypatch):
 
 def test_accepting_the_first_child_is_detected(tiny_llama, monkeypatch):
     """A verifier that walks into the first child whatever the argmax says."""
-    from recap.core import DraftTree
 
-    monkeypatch.setattr(DraftTree, "accept", first_child_walk)
+    monkeypatch.setattr(acceptance, "greedy", first_child_walk)
     report = run_check(tiny_llama, DecoyDrafter(seed=7), prompts=6, max_new_tokens=24, seed=7)
     assert report.failed > 0
 

@@ -21,6 +21,7 @@ from recap.core import CostProfile, DraftTree
 from recap.decoding import decode, reference_generate
 from recap.prompts import TEXT_PROMPTS, check_prompts
 from recap.proposers import LookaheadProposer, RecapConfig, RecapPaperProposer, RecapProposer
+from recap.verifier import acceptance
 from tests.broken_verifiers import first_child_walk
 from tests.helpers import assert_drafted
 
@@ -82,7 +83,7 @@ def test_paper_recap_is_lossless_and_accepts_drafts_on_tiny_architectures(tiny_t
 
 def test_a_wrong_verifier_makes_the_recap_check_fail(tiny_llama, monkeypatch):
     """Negative control: the same check, with a walk that accepts the first child regardless."""
-    monkeypatch.setattr(DraftTree, "accept", first_child_walk)
+    monkeypatch.setattr(acceptance, "greedy", first_child_walk)
     report = _check(monkeypatch, tiny_llama, RecapProposer(), _repeated_items(tiny_llama, 3), CostProfile.flat(),
                     vary=False, max_new_tokens=24, seed=23)
     assert report.failed > 0

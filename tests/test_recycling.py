@@ -12,6 +12,7 @@ from recap.core import DraftTree, PromptRows, StaticTreeTemplate, VerifiedTree
 from recap.errors import InputError
 from recap.proposers import PROPOSERS, TokenRecyclingProposer, TreeRecyclingProposer, make_proposer
 from recap.proposers.token_recycling import REFERENCE_TEMPLATE, TEMPLATE_ENV, builtin_template
+from recap.verifier import acceptance
 from tests.broken_verifiers import first_child_walk
 from tests.conftest import load_target
 from tests.helpers import assert_drafted
@@ -39,7 +40,7 @@ def _random_rows(rng, count, vocab, k=8):
 def _step(tree: DraftTree, rows: np.ndarray) -> VerifiedTree:
     argmax = rows[:, 0]
     return VerifiedTree(tree=tree, topk_ids=rows, topk_logits=np.zeros(rows.shape, np.float32), argmax=argmax,
-                        accepted=tree.accept(argmax))
+                        accepted=acceptance.greedy(tree, argmax))
 
 
 def _oracle(paths, table, root, excluded=frozenset()):
@@ -327,7 +328,7 @@ def test_recycling_is_lossless_and_accepts_on_smollm2(smollm2, method):
 
 def test_accepting_the_first_child_is_detected_with_recycling(tiny_llama, monkeypatch):
     """The same check catches a verifier that walks into the first child whatever the argmax."""
-    monkeypatch.setattr(DraftTree, "accept", first_child_walk)
+    monkeypatch.setattr(acceptance, "greedy", first_child_walk)
     report = run_check(tiny_llama, _planted(TokenRecyclingProposer), prompts=6, max_new_tokens=24, seed=24)
     assert report.failed > 0
 

@@ -14,6 +14,7 @@ from recap.proposers import make_proposer
 from recap.proposers.base import BaseProposer
 from recap.proposers.testing import DecoyDrafter
 from recap.sampling_check import OTHER, check_sampling, exact_prefixes
+from recap.verifier import acceptance
 from recap.verifier.sampling import Sampler, Sampling, SamplingError
 from tests import broken_verifiers
 from tests.conftest import TINY_MODELS, load_target
@@ -156,7 +157,7 @@ def test_drafting_samples_the_target_distribution_on_vision_language_models(mode
 @pytest.mark.parametrize("walk", [broken_verifiers.topk_accepting_walk, broken_verifiers.retry_once_walk])
 def test_biased_verifiers_are_caught(llama_exact, monkeypatch, walk):
     target, inputs, probabilities = llama_exact
-    monkeypatch.setattr(Sampler, "walk", walk)
+    monkeypatch.setattr(acceptance, "sampled", walk)
     report = check_sampling(target, ModeDrafter(probabilities, 3), inputs, SETTING, runs=1000,
                             probabilities=probabilities)
     assert not report.passed, report

@@ -6,6 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from recap.core import ROOT, DraftTree, TreeBuilder
+from recap.verifier import acceptance
 
 
 def test_from_paths_shares_prefixes_and_sets_depths():
@@ -37,13 +38,13 @@ def test_accept_follows_the_matching_child_not_the_first():
     tree = DraftTree([10, 11, 12, 13], [ROOT, ROOT, 1, 1])
     # packed: root=0, n0=1, n1=2, n2=3, n3=4. Target wants 11 after root, 13 after 11.
     argmax = np.array([11, 99, 13, 99, 42])
-    assert tree.accept(argmax) == [1, 3]
-    assert tree.accept(np.array([7, 0, 0, 0, 0])) == []
+    assert acceptance.greedy(tree, argmax) == [1, 3]
+    assert acceptance.greedy(tree, np.array([7, 0, 0, 0, 0])) == []
 
 
 def test_empty_tree_accepts_nothing():
     tree = DraftTree.empty()
-    assert len(tree) == 0 and tree.accept(np.array([3])) == []
+    assert len(tree) == 0 and acceptance.greedy(tree, np.array([3])) == []
     assert tree.ancestor_matrix().shape == (1, 1)
 
 
@@ -82,7 +83,7 @@ def test_accept_matches_brute_force(case):
             break
         path.append(children[0])
         position = children[0] + 1
-    assert tree.accept(argmax) == path
+    assert acceptance.greedy(tree, argmax) == path
     allowed = tree.ancestor_matrix()
     for i in range(len(tree)):
         ancestors = {0, i + 1}

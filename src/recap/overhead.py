@@ -27,6 +27,7 @@ from recap.core import CostProfile, DraftTree, PromptRows, StepLimits, VerifiedT
 from recap.core.tree import additive_mask
 from recap.decoding import Decoding
 from recap.proposers import Proposer, make_proposer
+from recap.verifier import acceptance
 from recap.verifier.protocol import BaseTarget
 from recap.verifier.sampling import Sampler
 
@@ -180,7 +181,7 @@ class SyntheticTarget(BaseTarget):
         topk_ids, topk_logits, argmax = self.rows(context)
         self._root, self._tree = int(root), tree
         return VerifiedTree(tree=tree, topk_ids=topk_ids, topk_logits=topk_logits, argmax=argmax,
-                            accepted=tree.accept(argmax))
+                            accepted=acceptance.greedy(tree, argmax))
 
     def commit(self, accepted: Sequence[int]) -> None:
         """Root and accepted nodes become context; the bonus token is the next root."""

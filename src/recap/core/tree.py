@@ -122,23 +122,6 @@ class DraftTree:
         depths[1:] = self.depths
         return tokens, depths
 
-    def accept(self, argmax: Sequence[int] | np.ndarray) -> list[int]:
-        """The greedy acceptance walk.
-
-        ``argmax[p]`` is the target's greedy token after packed position p. Starting at the
-        root, move to the child whose token equals the argmax while there is one. Returns the
-        accepted node indices, root excluded; the bonus token is ``argmax`` at the last one.
-        """
-        children = self.children()
-        path: list[int] = []
-        position = 0
-        while True:
-            child = children[position].get(int(argmax[position]))
-            if child is None:
-                return path
-            path.append(child)
-            position = child + 1
-
     def path_tokens(self, node: int) -> list[int]:
         """Tokens from the root's first child down to ``node`` (inclusive)."""
         tokens = []

@@ -37,6 +37,7 @@ from recap.core import (
     first_eligible,
 )
 from recap.errors import InputError
+from recap.verifier import acceptance
 from recap.verifier.attention import compact_cache, tree_attention_mask, tree_positions
 from recap.verifier.image_attention import ImageAttentionCapture
 from recap.verifier.kernels.args import language_model
@@ -640,9 +641,9 @@ class TargetModel(BaseTarget):
                   sampler: Sampler | None, position: int) -> VerifiedTree:
         ids, topk_logits, argmax = self._top_rows(logits)
         if sampler is None:
-            accepted = tree.accept(argmax)
+            accepted = acceptance.greedy(tree, argmax)
         else:
-            accepted, draws = sampler.walk(tree, logits, position)
+            accepted, draws = acceptance.sampled(tree, logits, sampler, position)
             for row, token in draws.items():
                 argmax[row] = token
         return VerifiedTree(tree=tree, topk_ids=ids, topk_logits=topk_logits, argmax=argmax, accepted=accepted,

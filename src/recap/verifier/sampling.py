@@ -23,7 +23,6 @@ import torch
 from transformers import LogitsProcessorList
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from recap.core.tree import DraftTree
 from recap.errors import InputError
 
 
@@ -113,20 +112,3 @@ class Sampler:
         while probs[index] == 0:  # u at the very top of the CDF: the last token that can be drawn
             index -= 1
         return index
-
-    def walk(self, tree: DraftTree, logits: torch.Tensor, position: int) -> tuple[list[int], dict[int, int]]:
-        """The sampling acceptance walk over one verification's packed rows: from the root,
-        draw at each reached row (its output position: ``position`` + depth) and move to the
-        child holding the draw. Returns the accepted nodes (root excluded) and the draw made
-        at each reached row (the last one is the step's own token)."""
-        children = tree.children()
-        accepted: list[int] = []
-        draws: dict[int, int] = {}
-        row = 0
-        while True:
-            draws[row] = self.token(logits[row], position + len(accepted))
-            child = children[row].get(draws[row])
-            if child is None:
-                return accepted, draws
-            accepted.append(child)
-            row = child + 1
