@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+FAST_TEXT_MODELS = ("llama", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 """Text-config model types whose decoder layer is norm -> q/k/v -> RoPE -> attention -> o ->
 residual -> norm -> SiLU-gated MLP -> residual, with RMSNorm."""
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -56,8 +56,8 @@ def unsupported(model: torch.nn.Module) -> str | None:
     """Why the fast path cannot run ``model`` (None: it can)."""
     config = model.config.get_text_config(decoder=True)
     model_type = getattr(config, "model_type", "")
-    if model_type not in FAMILIES:
-        return f"text model type {model_type!r} (fast steps cover {', '.join(FAMILIES)})"
+    if model_type not in FAST_TEXT_MODELS:
+        return f"text model type {model_type!r} (fast steps cover {', '.join(FAST_TEXT_MODELS)})"
     if model.device.type != "cpu":
         return f"device {model.device} (the fast steps are CPU kernels)"
     if model.dtype not in DTYPES:
