@@ -22,20 +22,11 @@ from recap.core.persistence import (
     MemorySnapshot,
     parse_count,
     safetensors_metadata,
-    temporary_path,
-    write_atomically,
 )
 
 FORMAT = "recap-adjacency-matrix"
 UNKNOWN = -1
 """Entry of a row that was never written, in tables created with ``fill=UNKNOWN``."""
-
-
-class MatrixSnapshot(MemorySnapshot):
-    """An `AdjacencyMatrix.snapshot`: its own arrays (``table[tokens]`` gathers a copy)."""
-
-    def _write_bytes(self, path: str | os.PathLike, data: bytes) -> None:
-        write_atomically(path, data, temporary_path(path))
 
 
 class AdjacencyMatrix:
@@ -111,12 +102,12 @@ class AdjacencyMatrix:
         half file); ``metadata``: extra string fields stored with the file's own."""
         self.snapshot().write(path, metadata)
 
-    def snapshot(self) -> MatrixSnapshot:
+    def snapshot(self) -> MemorySnapshot:
         """A copy of what `save` writes (the written rows and their tokens), to be written
         later, on another thread, while this table goes on changing."""
         tokens = np.flatnonzero((self.table != self.fill).any(axis=1)).astype(np.int64)
         own = {"format": FORMAT, "vocab_size": str(self.vocab_size), "k": str(self.k), "fill": str(self.fill)}
-        return MatrixSnapshot({"tokens": tokens, "rows": np.ascontiguousarray(self.table[tokens])}, own)
+        return MemorySnapshot({"tokens": tokens, "rows": self.table[tokens]}, own)  # a gather: a copy
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, fill: int, vocab_size: int | None = None,

@@ -117,13 +117,12 @@ def remove_stale_temporaries(folder: str | os.PathLike) -> list[str]:
     return removed
 
 
-def write_atomically(path: str | os.PathLike, data: bytes, temporary: str | None = None) -> None:
+def write_atomically(path: str | os.PathLike, data: bytes) -> None:
     """Replace ``path`` by a file holding ``data``, atomically and durably: a temporary file
-    of this writer's own (``temporary``, by default `temporary_path`), written 0600 and fsynced
-    (`write_private`), renamed over ``path``, then the folder fsynced; a failed write removes
-    its temporary."""
+    of this writer's own (`temporary_path`), written 0600 and fsynced (`write_private`),
+    renamed over ``path``, then the folder fsynced; a failed write removes its temporary."""
     path = os.fspath(path)
-    temporary = temporary or temporary_path(path)
+    temporary = temporary_path(path)
     try:
         write_private(temporary, data)
         os.replace(temporary, path)
@@ -164,10 +163,7 @@ class MemorySnapshot:
         if self.checksum:
             own["sha256"] = _checksum(*(self.tensors[name] for name in self.checksum))
         fields = {**{str(k): str(v) for k, v in (metadata or {}).items()}, **own}
-        self._write_bytes(path, save(self.tensors, metadata=fields))
-
-    def _write_bytes(self, path: str | os.PathLike, data: bytes) -> None:
-        write_atomically(path, data)
+        write_atomically(path, save(self.tensors, metadata=fields))
 
 
 def _owned(array: np.ndarray | None, dtype: type) -> np.ndarray:

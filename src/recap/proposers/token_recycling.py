@@ -27,7 +27,8 @@ import os
 from os import PathLike
 from pathlib import Path
 
-from recap.core.adjacency import AdjacencyMatrix, MatrixSnapshot
+from recap.core.adjacency import AdjacencyMatrix
+from recap.core.persistence import MemorySnapshot
 from recap.core.static_tree import StaticTreeTemplate
 from recap.errors import InputError
 from recap.proposers.recycling import RecyclingProposer
@@ -95,7 +96,7 @@ class TokenRecyclingProposer(RecyclingProposer):
         ``metadata``: extra string fields stored with it."""
         self.memory_snapshot().write(path, metadata)
 
-    def memory_snapshot(self) -> MatrixSnapshot:
+    def memory_snapshot(self) -> MemorySnapshot:
         """A copy of what `save_memory` writes (a server writes it on another thread)."""
         if self.matrix is None:
             raise InputError("nothing to save: the stream has not seen a request yet")
