@@ -181,11 +181,11 @@ def test_threads_saving_the_same_files_at_once_never_share_a_temporary(tmp_path,
     from safetensors.numpy import load_file
 
     from recap.bench.results import write_json_atomic
-    from recap.core import adjacency
+    from recap.core import adjacency, persistence
 
-    names = []
-    seen = adjacency.temporary_path
-    monkeypatch.setattr(adjacency, "temporary_path", lambda path: names.append(seen(path)) or names[-1])
+    names = []  # the matrix saves' temporaries (`persistence.write_atomically` takes them)
+    seen = persistence.temporary_path
+    monkeypatch.setattr(persistence, "temporary_path", lambda path: names.append(seen(path)) or names[-1])
     matrix = adjacency.AdjacencyMatrix(vocab_size=32, k=2, fill=-1)
     matrix.table[3] = [4, 5]
     target_json, target_matrix = tmp_path / "results.json", tmp_path / "u.safetensors"
