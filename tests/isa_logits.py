@@ -51,7 +51,7 @@ def logits_digest(name: str) -> str:
 @njit
 def _probe(x, w, out):  # pragma: no cover - compiled
     # one register block, compiled here and now (never from a cache) to read its machine code
-    _block3(x, 0, w, 0, 1, 2, out, 0, 1, 2, np.zeros(0, np.float32))
+    _block3(x, 0, w, (0, 1, 2), out, (0, 1, 2), np.zeros(0, np.float32))
     return lanes.dot(x[0], w[0])
 
 

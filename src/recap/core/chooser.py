@@ -37,8 +37,10 @@ SOURCES_PER_NODE = 3
 
 # ============================================================================ compiled kernels
 @njit(cache=True)
-def _add_chain(tokens, parents, depths, probs, cells, priors, n, chain, chain_probs, chain_cells, chain_priors):
-    """Insert ``chain`` along a root path (arrays have room for it); returns the new count."""
+def _add_chain(tokens, parents, depths, probs, cells, priors, n, new):
+    """Insert the chain ``new`` (tokens, probs, cells, priors) along a root path (arrays have
+    room for it); returns the new count."""
+    chain, chain_probs, chain_cells, chain_priors = new
     parent = -1
     fresh = False  # once a node is new, none of the nodes after it exists yet
     for j in range(chain.shape[0]):
@@ -236,9 +238,9 @@ class Candidates:
             return
         self._reserve(len(chain))
         priors = np.full(len(chain), np.nan) if priors is None else np.asarray(priors, dtype=np.float64)
+        new = (chain, np.asarray(probs, dtype=np.float64), np.asarray(cells, dtype=np.int64), priors)
         self.n = _add_chain(self._tokens, self._parents, self._depths, self._probs, self._cells, self._priors,
-                            self.n, chain, np.asarray(probs, dtype=np.float64), np.asarray(cells, dtype=np.int64),
-                            priors)
+                            self.n, new)
 
     def scale(self, factor: float) -> None:
         """Multiply every estimate by ``factor`` (kept below 1)."""

@@ -14,15 +14,20 @@ fusion needs. U (1-token keys) persists across the requests of a stream; C (2-to
 (3-token) are request-local. Each key keeps its most recently written row; within one
 verification batch the first occurrence of a key wins.
 
-Storage: a row pool (``ids`` int64 [R, K], ``probs`` float64 [R, K], ``confidence`` float64
-[R], ``length`` int64 [R]) and three numba typed dicts mapping an int64 key to a pool row:
-U key ``x``, C key ``v * V + x``, G key ``(u * V + v) * V + x`` (V = vocabulary size). Rows
-whose keys were all overwritten stay in the pool as garbage until ``reset_request`` compacts
-the pool (in place) to the rows U still references; within a request the pool doubles when
-full, so it holds at most U's rows at the request start plus one row per position the
-request evaluated (the order of C and G's own growth). A compaction that leaves the pool
+Storage: a row pool (`Pool`: ``ids`` int64 [R, K], ``probs`` float64 [R, K], ``confidence``
+float64 [R], ``length`` int64 [R]) and three numba typed dicts mapping an int64 key to a pool
+row: U key ``x``, C key ``v * V + x``, G key ``(u * V + v) * V + x`` (V = vocabulary size).
+Rows whose keys were all overwritten stay in the pool as garbage until ``reset_request``
+compacts the pool (in place) to the rows U still references; within a request the pool
+doubles when full, so it holds at most U's rows at the request start plus one row per position
+the request evaluated (the order of C and G's own growth). A compaction that leaves the pool
 less than a quarter full shrinks it to twice the live rows (at least 256), so a stream that
 lives as long as a server gives back what a long request or an eviction freed.
+
+The kernels take named tuples, not long argument lists: `Tables` (the three maps, the pool's
+arrays and V: everything lookup reads), `Rows` (rows being written), `Fusion` (Top-K, width,
+mode, rank priors, excluded mask) and `Scratch` (fusion's buffers); the tree search's heap
+entries and nodes are arrays with named columns (``_E_*``, ``_N_*``).
 
 Softmax and confidence of new rows are computed with numpy expressions fixed here (the
 reference uses the same ones, hence the same bits); every floating-point operation of fusion
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections import namedtuple
 from collections.abc import Sequence
 
 import numpy as np
@@ -104,6 +110,33 @@ def _new_map():
 
 
 # ============================================================================ compiled kernels
+# What the kernels take, by name. Named tuples are made at the top of the compiled entry
+# points, not in Python: numba types a plain tuple of arrays and ints in C at each call, a
+# namedtuple in Python (~1 us), a tuple holding typed Dicts in Python too (~80 us). So the
+# pool, new rows and fusion settings cross as plain tuples in their fields' order, the maps
+# as separate arguments.
+Pool = namedtuple("Pool", "ids probs confidence length")
+"""The row pool: ids int64 [R, K], probs float64 [R, K], confidence float64 [R], length int64 [R]."""
+Tables = namedtuple("Tables", "unigram bigram trigram ids probs confidence length vocab")
+"""RECAP's memory as the kernels read it: U, C, G (int64 key -> pool row), the pool, V."""
+Rows = namedtuple("Rows", "ids probs confidence")
+"""Rows being written: ids int64 [n, K], probs float64 [n, K], confidence float64 [n]."""
+Fusion = namedtuple("Fusion", "k width mode priors excluded")
+"""How fused lists are made: cut to ``k`` (Top-K) then ``width`` children, a `FUSION_CODES`
+``mode``, the rank ``priors`` and the ``excluded`` mask (bool [V] or empty)."""
+Scratch = namedtuple("Scratch", "rows weights mix_tok mix_p")
+"""Fusion's buffers: the rows found (3), their weights (3), the mixture (3 * K)."""
+
+# Columns of `_build_tree`'s arrays (module constants: compile-time constants to numba).
+# Heap entries, float part: the entry's negated score (the heap key), its parent's score.
+_E_NEG_SCORE, _E_PARENT_SCORE = range(2)
+# Heap entries, int part: the tie-break counter, the parent node, the context (u, v, x) the
+# list was fused for, the index in that list, the depth, the list.
+_E_COUNTER, _E_PARENT, _E_U, _E_V, _E_X, _E_INDEX, _E_DEPTH, _E_LIST = range(8)
+# Tree nodes: token, parent, depth, first child, next sibling.
+_N_TOKEN, _N_PARENT, _N_DEPTH, _N_FIRST_CHILD, _N_NEXT_SIBLING = range(5)
+
+
 @njit(cache=True)
 def _pysum(values, start, stop):
     """``sum(values[start:stop])`` as CPython computes it over floats (start value int 0)."""
@@ -128,21 +161,27 @@ def _pysum(values, start, stop):
     return total
 
 
-@njit(cache=True)
-def _store_row(pool_ids, pool_probs, pool_conf, pool_len, slot, ids, probs, conf, r):
+@njit(cache=True, inline="always")
+def _store_row(pool, slot, new, r):
+    """Pool row ``slot`` <- row ``r`` of ``new`` (inlined: no reference counting of the
+    tuples' fields at each row)."""
+    ids, probs, confidence = new
     width = ids.shape[1]
+    pool_ids, pool_probs = pool.ids, pool.probs  # read once (see `_fuse`)
     for j in range(width):
         pool_ids[slot, j] = ids[r, j]
         pool_probs[slot, j] = probs[r, j]
-    pool_len[slot] = width
-    pool_conf[slot] = conf[r]
+    pool.length[slot] = width
+    pool.confidence[slot] = confidence[r]
 
 
 @njit(cache=True)
-def _refresh(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len, n_rows, vocab,
-             u0, v0, x0, tree_tokens, tree_parents, ids, probs, conf, contextual):
-    """FastMemory.refresh. Returns the new row count, or -1 (nothing written) when a
-    key token is outside [0, vocab) or a parent is not an earlier node."""
+def _refresh(unigram, bigram, trigram, pool, n_rows, vocab, context, tree, new, contextual):
+    """FastMemory.refresh (``tree``: tokens, parents). Returns the new row count, or -1
+    (nothing written) when a key token is outside [0, vocab) or a parent is not an earlier node."""
+    pool, new = Pool(*pool), Rows(*new)
+    u0, v0, x0 = context
+    tree_tokens, tree_parents = tree
     n = tree_tokens.shape[0] + 1
     if x0 < 0 or x0 >= vocab or v0 >= vocab or u0 >= vocab:
         return -1
@@ -170,7 +209,7 @@ def _refresh(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len
         slot = -1
         if unigram.get(x, -1) < start:
             slot = n_rows
-            _store_row(pool_ids, pool_probs, pool_conf, pool_len, slot, ids, probs, conf, p)
+            _store_row(pool, slot, new, p)
             n_rows += 1
             unigram[x] = slot
         if contextual and v >= 0:
@@ -178,7 +217,7 @@ def _refresh(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len
             if bigram.get(key, -1) < start:
                 if slot < 0:
                     slot = n_rows
-                    _store_row(pool_ids, pool_probs, pool_conf, pool_len, slot, ids, probs, conf, p)
+                    _store_row(pool, slot, new, p)
                     n_rows += 1
                 bigram[key] = slot
             if u >= 0:
@@ -186,20 +225,21 @@ def _refresh(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len
                 if trigram.get(key, -1) < start:
                     if slot < 0:
                         slot = n_rows
-                        _store_row(pool_ids, pool_probs, pool_conf, pool_len, slot, ids, probs, conf, p)
+                        _store_row(pool, slot, new, p)
                         n_rows += 1
                     trigram[key] = slot
     return n_rows
 
 
 @njit(cache=True)
-def _store_unigram(unigram, pool_ids, pool_probs, pool_conf, pool_len, n_rows, vocab, keys, ids, probs, conf):
-    """U[keys[i]] <- row i (later rows win). -1 when a key is outside [0, vocab)."""
+def _store_unigram(unigram, pool, n_rows, vocab, keys, new):
+    """U[keys[i]] <- row i of ``new`` (later rows win). -1 when a key is outside [0, vocab)."""
+    pool, new = Pool(*pool), Rows(*new)
     for i in range(keys.shape[0]):
         if keys[i] < 0 or keys[i] >= vocab:
             return -1
     for i in range(keys.shape[0]):
-        _store_row(pool_ids, pool_probs, pool_conf, pool_len, n_rows, ids, probs, conf, i)
+        _store_row(pool, n_rows, new, i)
         unigram[keys[i]] = n_rows
         n_rows += 1
     return n_rows
@@ -226,8 +266,9 @@ def _remap(table, new_index):
 
 
 @njit(cache=True)
-def _compact(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len, n_rows):
+def _compact(unigram, bigram, trigram, pool, n_rows):
     """Move the referenced rows to the front of the pool, in order (in place). Returns their count."""
+    pool = Pool(*pool)
     used = np.zeros(n_rows, np.bool_)
     _mark(unigram, used)
     _mark(bigram, used)
@@ -238,10 +279,10 @@ def _compact(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len
         if used[r]:
             new_index[r] = live
             if live != r:
-                pool_ids[live] = pool_ids[r]
-                pool_probs[live] = pool_probs[r]
-                pool_conf[live] = pool_conf[r]
-                pool_len[live] = pool_len[r]
+                pool.ids[live] = pool.ids[r]
+                pool.probs[live] = pool.probs[r]
+                pool.confidence[live] = pool.confidence[r]
+                pool.length[live] = pool.length[r]
             live += 1
         else:
             new_index[r] = -1
@@ -253,7 +294,8 @@ def _compact(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len
 
 
 @njit(cache=True)
-def _unigram_arrays(unigram, pool_ids, pool_probs, pool_len):
+def _unigram_arrays(unigram, pool):
+    pool_ids, pool_probs, _, pool_len = pool
     n = len(unigram)
     keys = _keys_of(unigram)
     keys.sort()
@@ -271,30 +313,37 @@ def _unigram_arrays(unigram, pool_ids, pool_probs, pool_len):
 
 
 @njit(cache=True)
-def _row_of(table, pool_ids, pool_probs, pool_conf, pool_len, key):
+def _row_of(table, pool, key):
+    pool = Pool(*pool)
     r = table[key]
-    return pool_ids[r, : pool_len[r]].copy(), pool_probs[r, : pool_len[r]].copy(), pool_conf[r]
+    length = pool.length[r]
+    return pool.ids[r, :length].copy(), pool.probs[r, :length].copy(), pool.confidence[r]
 
 
 @njit(cache=True)
-def _fuse(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len, vocab, u, v, x, k, width, mode,
-          priors, excluded, rows, weights, mix_tok, mix_p, out_tok, out_p, slot):
-    """Lookup + fusion for context (u, v, x) (the reference's ``ReferenceSearch.fused``),
+def _fuse(tables, context, fusion, scratch, out_tok, out_p, slot):
+    """Lookup + fusion for ``context`` (u, v, x) (the reference's ``ReferenceSearch.fused``),
     written to out_tok[slot, 1:] (count in out_tok[slot, 0]) and out_p[slot]. Returns the count."""
+    u, v, x = context
+    k, width, mode, priors, excluded = fusion
+    rows, weights, mix_tok, mix_p = scratch
+    # the pool's arrays as locals, read once: a tuple's array field read in a loop costs
+    # reference counting at each read (the maps, read once each, are not worth it)
+    ids, probs, confidence, lengths, vocab = tables.ids, tables.probs, tables.confidence, tables.length, tables.vocab
     # ---- lookup: G, C, U (most specific first), or U alone for mode "unigram"
     n_rows = 0
     if mode != _UNIGRAM:
         if u >= 0 and v >= 0:
-            r = trigram.get((u * vocab + v) * vocab + x, -1)
+            r = tables.trigram.get((u * vocab + v) * vocab + x, -1)
             if r >= 0:
                 rows[n_rows] = r
                 n_rows += 1
         if v >= 0:
-            r = bigram.get(v * vocab + x, -1)
+            r = tables.bigram.get(v * vocab + x, -1)
             if r >= 0:
                 rows[n_rows] = r
                 n_rows += 1
-    r = unigram.get(x, -1)
+    r = tables.unigram.get(x, -1)
     if r >= 0:
         rows[n_rows] = r
         n_rows += 1
@@ -307,37 +356,37 @@ def _fuse(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len, v
         best = 0
         if mode == _GATE:
             for j in range(1, n_rows):  # max of (confidence, -j): ties go to the more specific row
-                if pool_conf[rows[j]] > pool_conf[rows[best]]:
+                if confidence[rows[j]] > confidence[rows[best]]:
                     best = j
         r = rows[best]
-        length = pool_len[r]
+        length = lengths[r]
         if length <= k:  # returned as stored
             for i in range(length):
-                mix_tok[i] = pool_ids[r, i]
-                mix_p[i] = pool_probs[r, i]
+                mix_tok[i] = ids[r, i]
+                mix_p[i] = probs[r, i]
             m = length
         else:
-            total = _pysum(pool_probs[r], 0, k)
+            total = _pysum(probs[r], 0, k)
             if total == 0.0:
                 raise ZeroDivisionError("float division by zero")
             for i in range(k):
-                mix_tok[i] = pool_ids[r, i]
-                mix_p[i] = pool_probs[r, i] / total
+                mix_tok[i] = ids[r, i]
+                mix_p[i] = probs[r, i] / total
             m = k
     else:
         use_prior = mode in (_ENTROPY, _NO_CONFIDENCE)
         use_confidence = mode in (_ENTROPY, _NO_PRIOR)
         for j in range(n_rows):
-            weights[j] = (priors[j] if use_prior else 1.0) * (pool_conf[rows[j]] if use_confidence else 1.0)
+            weights[j] = (priors[j] if use_prior else 1.0) * (confidence[rows[j]] if use_confidence else 1.0)
         norm = _pysum(weights, 0, n_rows)
         if norm == 0.0:
             raise ZeroDivisionError("float division by zero")
         for j in range(n_rows):
             w = weights[j] / norm
             r = rows[j]
-            for i in range(pool_len[r]):
-                token = pool_ids[r, i]
-                p = pool_probs[r, i]
+            for i in range(lengths[r]):
+                token = ids[r, i]
+                p = probs[r, i]
                 found = -1
                 for q in range(m):
                     if mix_tok[q] == token:
@@ -402,53 +451,53 @@ def _grow(a):
 @njit(cache=True)
 def _less(entry_f, entry_i, a, b):
     """Heap order of the reference's tuples (-score, counter, ...); counters are unique."""
-    if entry_f[a, 0] < entry_f[b, 0]:
+    if entry_f[a, _E_NEG_SCORE] < entry_f[b, _E_NEG_SCORE]:
         return True
-    if entry_f[a, 0] == entry_f[b, 0]:
-        return entry_i[a, 0] < entry_i[b, 0]
+    if entry_f[a, _E_NEG_SCORE] == entry_f[b, _E_NEG_SCORE]:
+        return entry_i[a, _E_COUNTER] < entry_i[b, _E_COUNTER]
     return False
 
 
 @njit(cache=True)
-def _build_tree(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len, vocab, u0, v0, x0,
-                budget, max_depth, width, k, etas, priors, mode, excluded):
-    """The best-first search (the reference's ``ReferenceSearch.build_tree``): (tokens, parents, depths, q)."""
-    kp = max(pool_ids.shape[1], 1)
-    rows = np.empty(3, np.int64)
-    weights = np.empty(3, np.float64)
-    mix_tok = np.empty(3 * kp, np.int64)
-    mix_p = np.empty(3 * kp, np.float64)
-    list_cap = max(1, min(k, width))
+def _build_tree(unigram, bigram, trigram, pool, vocab, root, budget, max_depth, etas, fusion):
+    """The best-first search (the reference's ``ReferenceSearch.build_tree``) from context
+    ``root`` (u, v, x): (tokens, parents, depths, q)."""
+    ids, probs, confidence, length = pool
+    tables = Tables(unigram, bigram, trigram, ids, probs, confidence, length, vocab)
+    fusion = Fusion(*fusion)
+    u0, v0, x0 = root
+    kp = max(ids.shape[1], 1)
+    scratch = Scratch(np.empty(3, np.int64), np.empty(3, np.float64), np.empty(3 * kp, np.int64),
+                      np.empty(3 * kp, np.float64))
+    list_cap = max(1, min(fusion.k, fusion.width))
     cap = max(4, min(budget, 4096) + 1)
     list_tok = np.empty((cap, list_cap + 1), np.int64)  # column 0: count
     list_p = np.empty((cap, list_cap), np.float64)
     n_lists = 0
-    # heap entries: float (negative score, parent score); int (counter, parent node, u, v, x,
-    # index, depth, list)
+    # heap entries: columns _E_* of a float and an int part
     entry_f = np.empty((2 * cap, 2), np.float64)
     entry_i = np.empty((2 * cap, 8), np.int64)
     n_entries = 0
     heap = np.empty(2 * cap, np.int64)
     size = 0
-    # the builder: token, parent, depth, first child, next sibling
+    # the builder: columns _N_*
     nodes = np.empty((cap, 5), np.int64)
     node_q = np.empty((cap, 1), np.float64)  # the fused probability q of each node's token
     n_nodes = 0
     root_first_child = -1
 
-    count = _fuse(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len, vocab, u0, v0, x0, k, width,
-                  mode, priors, excluded, rows, weights, mix_tok, mix_p, list_tok, list_p, n_lists)
+    count = _fuse(tables, root, fusion, scratch, list_tok, list_p, n_lists)
     if count > 0:
-        entry_f[0, 0] = -etas[1] * list_p[n_lists, 0]
-        entry_f[0, 1] = 1.0
-        entry_i[0, 0] = 0
-        entry_i[0, 1] = -1
-        entry_i[0, 2] = u0
-        entry_i[0, 3] = v0
-        entry_i[0, 4] = x0
-        entry_i[0, 5] = 0
-        entry_i[0, 6] = 1
-        entry_i[0, 7] = n_lists
+        entry_f[0, _E_NEG_SCORE] = -etas[1] * list_p[n_lists, 0]
+        entry_f[0, _E_PARENT_SCORE] = 1.0
+        entry_i[0, _E_COUNTER] = 0
+        entry_i[0, _E_PARENT] = -1
+        entry_i[0, _E_U] = u0
+        entry_i[0, _E_V] = v0
+        entry_i[0, _E_X] = x0
+        entry_i[0, _E_INDEX] = 0
+        entry_i[0, _E_DEPTH] = 1
+        entry_i[0, _E_LIST] = n_lists
         n_entries = 1
         heap[0] = 0
         size = 1
@@ -473,36 +522,36 @@ def _build_tree(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_
                 else:
                     break
             heap[i] = last
-        negative = entry_f[e, 0]
-        parent_score = entry_f[e, 1]
-        parent = entry_i[e, 1]
-        cu = entry_i[e, 2]
-        cv = entry_i[e, 3]
-        cx = entry_i[e, 4]
-        index = entry_i[e, 5]
-        depth = entry_i[e, 6]
-        lst = entry_i[e, 7]
+        negative = entry_f[e, _E_NEG_SCORE]
+        parent_score = entry_f[e, _E_PARENT_SCORE]
+        parent = entry_i[e, _E_PARENT]
+        cu = entry_i[e, _E_U]
+        cv = entry_i[e, _E_V]
+        cx = entry_i[e, _E_X]
+        index = entry_i[e, _E_INDEX]
+        depth = entry_i[e, _E_DEPTH]
+        lst = entry_i[e, _E_LIST]
         token = list_tok[lst, index + 1]
         # ---- builder.add(parent, token): reuse an existing child
-        node = root_first_child if parent < 0 else nodes[parent, 3]
-        while node >= 0 and nodes[node, 0] != token:
-            node = nodes[node, 4]
+        node = root_first_child if parent < 0 else nodes[parent, _N_FIRST_CHILD]
+        while node >= 0 and nodes[node, _N_TOKEN] != token:
+            node = nodes[node, _N_NEXT_SIBLING]
         if node < 0:
             if n_nodes == nodes.shape[0]:
                 nodes = _grow(nodes)
                 node_q = _grow(node_q)
             node = n_nodes
             node_q[node, 0] = list_p[lst, index]
-            nodes[node, 0] = token
-            nodes[node, 1] = parent
-            nodes[node, 2] = 1 if parent < 0 else nodes[parent, 2] + 1
-            nodes[node, 3] = -1
+            nodes[node, _N_TOKEN] = token
+            nodes[node, _N_PARENT] = parent
+            nodes[node, _N_DEPTH] = 1 if parent < 0 else nodes[parent, _N_DEPTH] + 1
+            nodes[node, _N_FIRST_CHILD] = -1
             if parent < 0:
-                nodes[node, 4] = root_first_child
+                nodes[node, _N_NEXT_SIBLING] = root_first_child
                 root_first_child = node
             else:
-                nodes[node, 4] = nodes[parent, 3]
-                nodes[parent, 3] = node
+                nodes[node, _N_NEXT_SIBLING] = nodes[parent, _N_FIRST_CHILD]
+                nodes[parent, _N_FIRST_CHILD] = node
             n_nodes += 1
         counter += 1
         # ---- pushes: next sibling, then first child
@@ -521,9 +570,7 @@ def _build_tree(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_
                 if n_lists == list_tok.shape[0]:
                     list_tok = _grow(list_tok)
                     list_p = _grow(list_p)
-                child_count = _fuse(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_len, vocab,
-                                    cv, cx, token, k, width, mode, priors, excluded, rows, weights, mix_tok, mix_p,
-                                    list_tok, list_p, n_lists)
+                child_count = _fuse(tables, (cv, cx, token), fusion, scratch, list_tok, list_p, n_lists)
                 n_list = n_lists
                 n_lists += 1
                 if child_count == 0:
@@ -543,16 +590,16 @@ def _build_tree(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_
                 heap = bigger
             ne = n_entries
             n_entries += 1
-            entry_f[ne, 0] = f0
-            entry_f[ne, 1] = f1
-            entry_i[ne, 0] = c
-            entry_i[ne, 1] = p_node
-            entry_i[ne, 2] = nu
-            entry_i[ne, 3] = nv
-            entry_i[ne, 4] = nx
-            entry_i[ne, 5] = n_index
-            entry_i[ne, 6] = n_depth
-            entry_i[ne, 7] = n_list
+            entry_f[ne, _E_NEG_SCORE] = f0
+            entry_f[ne, _E_PARENT_SCORE] = f1
+            entry_i[ne, _E_COUNTER] = c
+            entry_i[ne, _E_PARENT] = p_node
+            entry_i[ne, _E_U] = nu
+            entry_i[ne, _E_V] = nv
+            entry_i[ne, _E_X] = nx
+            entry_i[ne, _E_INDEX] = n_index
+            entry_i[ne, _E_DEPTH] = n_depth
+            entry_i[ne, _E_LIST] = n_list
             # sift up
             i = size
             size += 1
@@ -564,7 +611,8 @@ def _build_tree(unigram, bigram, trigram, pool_ids, pool_probs, pool_conf, pool_
                 else:
                     break
             heap[i] = ne
-    return nodes[:n_nodes, 0].copy(), nodes[:n_nodes, 1].copy(), nodes[:n_nodes, 2].copy(), node_q[:n_nodes, 0].copy()
+    return (nodes[:n_nodes, _N_TOKEN].copy(), nodes[:n_nodes, _N_PARENT].copy(), nodes[:n_nodes, _N_DEPTH].copy(),
+            node_q[:n_nodes, 0].copy())
 
 
 # ============================================================================ the Python API
@@ -583,10 +631,9 @@ class FastMemory:
             raise ValueError("top_k must be at least 1")
         self.vocab_size = int(vocab_size)
         self.top_k = int(top_k)
-        self._ids = np.zeros((_MIN_ROWS, self.top_k), dtype=np.int64)
-        self._probs = np.zeros((_MIN_ROWS, self.top_k), dtype=np.float64)
-        self._conf = np.zeros(_MIN_ROWS, dtype=np.float64)
-        self._len = np.zeros(_MIN_ROWS, dtype=np.int64)
+        self._pool = Pool(np.zeros((_MIN_ROWS, self.top_k), dtype=np.int64),
+                          np.zeros((_MIN_ROWS, self.top_k), dtype=np.float64),
+                          np.zeros(_MIN_ROWS, dtype=np.float64), np.zeros(_MIN_ROWS, dtype=np.int64))
         self._n_rows = 0
         self.unigram = _new_map()
         self.bigram = _new_map()
@@ -600,8 +647,7 @@ class FastMemory:
         if len(self.trigram):
             self.trigram = _new_map()
         if self._n_rows > len(self.unigram):
-            self._n_rows = _compact(self.unigram, self.bigram, self.trigram, self._ids, self._probs, self._conf,
-                                    self._len, self._n_rows)
+            self._n_rows = _compact(self.unigram, self.bigram, self.trigram, tuple(self._pool), self._n_rows)
         self._shrink()
 
     def reset_stream(self) -> None:
@@ -615,8 +661,7 @@ class FastMemory:
         """A copy of U (the pool and the unigram map), with empty C and G: what a request that
         overlaps another of the same stream drafts from."""
         copy = FastMemory(self.vocab_size, self.top_k)
-        for name in ("_ids", "_probs", "_conf", "_len"):
-            setattr(copy, name, getattr(self, name).copy())
+        copy._pool = Pool(*(array.copy() for array in self._pool))
         copy._n_rows = self._n_rows
         copy.unigram = self.unigram.copy()
         return copy
@@ -634,29 +679,30 @@ class FastMemory:
     def _reserve(self, need: int) -> None:
         """Room for ``need`` more rows: the pool doubles when full."""
         used = self._n_rows
-        capacity = len(self._conf)
+        capacity = len(self._pool.confidence)
         if used + need <= capacity:
             return
         while used + need > capacity:
             capacity *= 2
-        for name in ("_ids", "_probs", "_conf", "_len"):
-            old = getattr(self, name)
+        arrays = []
+        for old in self._pool:
             new = np.zeros((capacity, *old.shape[1:]), dtype=old.dtype)
             new[:used] = old[:used]
-            setattr(self, name, new)
+            arrays.append(new)
+        self._pool = Pool(*arrays)
 
     def _shrink(self) -> None:
         """Give back a pool under a quarter full (to twice its live rows, at least `_MIN_ROWS`):
         halving at a quarter, not at a half, so a stream near the boundary does not reallocate
         at every request."""
-        used, capacity = self._n_rows, len(self._conf)
+        used, capacity = self._n_rows, len(self._pool.confidence)
         if capacity <= _MIN_ROWS or 4 * used >= capacity:
             return
         capacity = max(_MIN_ROWS, 2 * used)
-        for name in ("_ids", "_probs", "_conf", "_len"):
-            setattr(self, name, getattr(self, name)[:capacity].copy())
+        self._pool = Pool(*(array[:capacity].copy() for array in self._pool))
 
     def _rows(self, topk_ids: np.ndarray, topk_logits: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """New rows (ids, probs, confidence): a `Rows` as the kernels take it."""
         ids = np.ascontiguousarray(topk_ids, dtype=np.int64)
         if ids.ndim != 2 or ids.shape[1] > self.top_k or ids.shape[1] < 1:
             raise ValueError(f"Top-K rows must be (n, K) with 1 <= K <= {self.top_k}, got shape {ids.shape}")
@@ -673,10 +719,9 @@ class FastMemory:
         positions = first_eligible(ids, eligible)  # the rows a ``first`` prefill computes
         if not len(positions):
             return
-        row_ids, probs, confidence = self._rows(*rows_at(topk_ids, topk_logits, positions))
+        rows = self._rows(*rows_at(topk_ids, topk_logits, positions))
         self._reserve(len(positions))
-        n_rows = _store_unigram(self.unigram, self._ids, self._probs, self._conf, self._len, self._n_rows,
-                                self.vocab_size, ids[positions], row_ids, probs, confidence)
+        n_rows = _store_unigram(self.unigram, tuple(self._pool), self._n_rows, self.vocab_size, ids[positions], rows)
         if n_rows < 0:
             raise ValueError(f"eligible prompt tokens must lie in [0, {self.vocab_size})")
         self._n_rows = n_rows
@@ -691,13 +736,13 @@ class FastMemory:
         parents = np.ascontiguousarray(tree_parents, dtype=np.int64).reshape(-1)
         if len(parents) != len(tokens):
             raise ValueError(f"{len(tokens)} tree tokens but {len(parents)} parents")
-        row_ids, probs, confidence = self._rows(topk_ids, topk_logits)
-        if len(row_ids) != len(tokens) + 1:
-            raise ValueError(f"{len(row_ids)} Top-K rows for {len(tokens) + 1} packed positions")
-        self._reserve(len(row_ids))
-        n_rows = _refresh(self.unigram, self.bigram, self.trigram, self._ids, self._probs, self._conf, self._len,
-                          self._n_rows, self.vocab_size, u, v, x, tokens, parents, row_ids, probs, confidence,
-                          bool(contextual))
+        rows = self._rows(topk_ids, topk_logits)
+        n = len(rows[0])
+        if n != len(tokens) + 1:
+            raise ValueError(f"{n} Top-K rows for {len(tokens) + 1} packed positions")
+        self._reserve(n)
+        n_rows = _refresh(self.unigram, self.bigram, self.trigram, tuple(self._pool), self._n_rows, self.vocab_size,
+                          (u, v, x), (tokens, parents), rows, bool(contextual))
         if n_rows < 0:
             raise ValueError(f"context and tree tokens must lie in [0, {self.vocab_size}) and parents must be "
                              "ROOT (-1) or an earlier node")
@@ -725,15 +770,15 @@ class FastMemory:
         if top_k < 1 or width < 1 or max_depth < 1:
             raise ValueError("top_k, width and max_depth must be at least 1")
         mask = _NO_EXCLUSION if excluded is None else np.asarray(excluded, dtype=np.bool_)
-        return _build_tree(self.unigram, self.bigram, self.trigram, self._ids, self._probs, self._conf, self._len,
-                           self.vocab_size, u, v, x, int(budget), int(max_depth), int(width), int(top_k), etas, priors,
-                           fusion_code(mode), mask)
+        fusion = (int(top_k), int(width), fusion_code(mode), priors, mask)  # a `Fusion`
+        return _build_tree(self.unigram, self.bigram, self.trigram, tuple(self._pool), self.vocab_size, (u, v, x),
+                           int(budget), int(max_depth), etas, fusion)
 
     # -------------------------------------------------------------- persistence
     def unigram_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """U as (keys int64 [n] ascending, ids int64 [n, K], probs float64 [n, K]), K the widest
         row, narrower rows zero-padded: the layout `save_token_memory` writes."""
-        return _unigram_arrays(self.unigram, self._ids, self._probs, self._len)
+        return _unigram_arrays(self.unigram, tuple(self._pool))
 
     def load_unigram(self, keys: np.ndarray, ids: np.ndarray, probs: np.ndarray) -> None:
         """U[keys[i]] <- row i, exactly as `TokenMemoryFile.install` does it: log-probabilities
@@ -745,12 +790,11 @@ class FastMemory:
         probs = np.asarray(probs)
         with np.errstate(divide="ignore"):
             logits = np.log(probs)
-        row_ids, row_probs, confidence = self._rows(ids, np.where(np.isfinite(logits), logits, -1e30))
-        if len(row_ids) != len(keys):
-            raise ValueError(f"{len(keys)} keys for {len(row_ids)} rows")
+        rows = self._rows(ids, np.where(np.isfinite(logits), logits, -1e30))
+        if len(rows[0]) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(rows[0])} rows")
         self._reserve(len(keys))
-        n_rows = _store_unigram(self.unigram, self._ids, self._probs, self._conf, self._len, self._n_rows,
-                                self.vocab_size, keys, row_ids, row_probs, confidence)
+        n_rows = _store_unigram(self.unigram, tuple(self._pool), self._n_rows, self.vocab_size, keys, rows)
         if n_rows < 0:
             raise ValueError(f"keys must lie in [0, {self.vocab_size})")
         self._n_rows = n_rows
@@ -774,13 +818,12 @@ class FastMemory:
     def nbytes(self) -> int:
         """Bytes held: the row pool as allocated plus ~32 bytes per map entry (numba dict:
         key, value, hash, index)."""
-        pool = self._ids.nbytes + self._probs.nbytes + self._conf.nbytes + self._len.nbytes
-        return pool + 32 * len(self)
+        return sum(array.nbytes for array in self._pool) + 32 * len(self)
 
     @property
     def pool_rows(self) -> tuple[int, int]:
         """(rows in use, garbage included; capacity)."""
-        return self._n_rows, len(self._conf)
+        return self._n_rows, len(self._pool.confidence)
 
     def table(self, name: str) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[float, ...], float]]:
         """One map as a plain dict shaped like the reference memory's (``unigram`` keys are 1-tuples
@@ -789,7 +832,7 @@ class FastMemory:
         vocab = self.vocab_size
         out = {}
         for key in _keys_of(table).tolist():
-            ids, probs, confidence = _row_of(table, self._ids, self._probs, self._conf, self._len, key)
+            ids, probs, confidence = _row_of(table, tuple(self._pool), key)
             if name == "unigram":
                 tokens = (key,)
             elif name == "bigram":

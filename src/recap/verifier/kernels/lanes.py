@@ -299,7 +299,7 @@ def fma_tail(typingctx, acc, x, w, start):  # pragma: no cover - compiled
         _, x_type, w_type, start_type = signature.args
         partial, xs, ws, first = args
         return _tail(context, builder, partial, context.cast(builder, first, start_type, types.intp),
-                     x_type, xs, lambda k: k, w_type, ws, lambda k: k, kind)
+                     (x_type, xs, lambda k: k), (w_type, ws, lambda k: k), kind)
 
     return lanes_type(acc, x, w, start), codegen
 
@@ -326,15 +326,18 @@ def fma_tail_rows(typingctx, acc, x, x_row, w, w_row, start):  # pragma: no cove
             return _flat_index(context, builder, w_type, ws, w_index, w_row_type, k, types.intp)
 
         return _tail(context, builder, partial, context.cast(builder, first, start_type, types.intp),
-                     x_type, xs, x_at, w_type, ws, w_at, kind)
+                     (x_type, xs, x_at), (w_type, ws, w_at), kind)
 
     return lanes_type(acc, x, x_row, w, w_row, start), codegen
 
 
-def _tail(context, builder: ir.IRBuilder, partial: ir.Value, first: ir.Value, x_type, xs: ir.Value,
-          x_at, w_type, ws: ir.Value, w_at, kind: str | None) -> ir.Value:
+def _tail(context, builder: ir.IRBuilder, partial: ir.Value, first: ir.Value, x: tuple, w: tuple,
+          kind: str | None) -> ir.Value:
     """The loop of `fma_tail` / `fma_tail_rows`: for k from ``first`` to the end of x's last
-    axis, lane k - first of ``partial`` takes fma(x[x_at(k)], w[w_at(k)]) (flat indices)."""
+    axis, lane k - first of ``partial`` takes fma(x[x_at(k)], w[w_at(k)]) (flat indices); x
+    and w are each (numba type, LLVM value, x_at / w_at)."""
+    x_type, xs, x_at = x
+    w_type, ws, w_at = w
     length = builder.extract_value(context.make_array(x_type)(context, builder, value=xs).shape, x_type.ndim - 1)
     result = cgutils.alloca_once_value(builder, partial)
     with cgutils.for_range(builder, builder.sub(length, first)) as loop:

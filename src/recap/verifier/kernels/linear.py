@@ -309,7 +309,7 @@ def _remainder(x, w, first, last, third, m0, rest, out, bias):  # pragma: no cov
             _block6x2(x, m0, w, q, 1, third, out, bias)
         q += step
     while q < last:
-        _block3(x, m0, w, q, q + third, q + 2 * third, out, q, q + third, q + 2 * third, bias)
+        _block3(x, m0, w, (q, q + third, q + 2 * third), out, (q, q + third, q + 2 * third), bias)
         q += 1
 
 
@@ -324,7 +324,7 @@ def linear4x4(x, w, bias, out, rows):  # pragma: no cover - compiled
         for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
             n1, n2, n3 = q + quarter, q + 2 * quarter, q + 3 * quarter
             for m0 in range(0, rows, ROW_BLOCK):
-                _block4(x, m0, w, q, n1, n2, n3, out, q, n1, n2, n3, bias)
+                _block4(x, m0, w, (q, n1, n2, n3), out, (q, n1, n2, n3), bias)
     for n in range(quarter * COL_BLOCK, w.shape[0]):
         for m0 in range(0, rows, ROW_BLOCK):
             _block1(x, m0, w, n, out, n, bias)
@@ -355,7 +355,7 @@ def linear3x4(x, w, bias, out, rows, remainders):  # pragma: no cover - compiled
         first, last = task * PANEL, min(third, (task + 1) * PANEL)
         for m0 in range(0, full, ROW_BLOCK):
             for q in range(first, last):
-                _block3(x, m0, w, q, q + third, q + 2 * third, out, q, q + third, q + 2 * third, bias)
+                _block3(x, m0, w, (q, q + third, q + 2 * third), out, (q, q + third, q + 2 * third), bias)
         if rest:
             _remainder(x, w, first, last, third, full, rest, out, bias)
     for n in range(third * 3, w.shape[0]):
@@ -376,7 +376,7 @@ def linear3x4_few(x, w, bias, out):  # pragma: no cover - compiled
         for q in range(task * CHUNK, min(half, (task + 1) * CHUNK)):
             _block6x2(x, 0, w, q, half, third, out, bias)
     for q in range(2 * half, third):
-        _block3(x, 0, w, q, q + third, q + 2 * third, out, q, q + third, q + 2 * third, bias)
+        _block3(x, 0, w, (q, q + third, q + 2 * third), out, (q, q + third, q + 2 * third), bias)
     for n in range(third * 3, w.shape[0]):
         _block1(x, 0, w, n, out, n, bias)
 

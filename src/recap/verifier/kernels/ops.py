@@ -13,6 +13,7 @@ of these can meet anyway).
 from __future__ import annotations
 
 import functools
+from collections import namedtuple
 
 import numpy as np
 from numba import njit, prange
@@ -165,7 +166,7 @@ def _quad_scores(queries, keys, past, lengths, firsts, ancestors, units, b, scor
     asserts it)."""
     shared = past - past % KEY_BLOCK
     for j in range(0, shared, KEY_BLOCK):
-        _block3(queries, 4 * b, keys, j, j + 1, j + 2, scores, j, j + 1, j + 2, NO_BIAS)
+        _block3(queries, 4 * b, keys, (j, j + 1, j + 2), scores, (j, j + 1, j + 2), NO_BIAS)
     block = np.empty((4, KEY_BLOCK), np.float32)
     quad = queries[4 * b:4 * b + 4]
     for u in range(4 * b, min(4 * b + 4, units)):
@@ -174,26 +175,31 @@ def _quad_scores(queries, keys, past, lengths, firsts, ancestors, units, b, scor
             s0 = _key_slot(j, past, ancestors, first)
             s1 = _key_slot(j + 1, past, ancestors, first) if j + 1 < length else s0
             s2 = _key_slot(j + 2, past, ancestors, first) if j + 2 < length else s0
-            _block3(quad, 0, keys, s0, s1, s2, block, 0, 1, 2, NO_BIAS)
+            _block3(quad, 0, keys, (s0, s1, s2), block, (0, 1, 2), NO_BIAS)
             for lane in range(min(KEY_BLOCK, length - j)):
                 scores[u, j + lane] = block[m, lane]
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def quad_attention(q, keys, values, past, lengths, firsts, ancestors, scale, out, rows,  # pragma: no cover - compiled
-                   queries, scores, acc):
-    """`tree_attention` (q, keys, values, past, ancestors, scale, out, rows as there) four
-    queries of one kv head at a time, one parallel task per quad: query head h of row i is
-    query u = i * G + h % G of kv head h // G (G query heads per kv head). Per quad: its
-    queries gathered, dot products by `_quad_scores`, then per query a softmax (scale, max,
-    `exp32`, the total by `_sum32`, a vectorised sum whose order depends on the query's key
-    count alone, p = e / total) and the weighted sum of V as `tree_attention` forms it (each
-    element ``acc[d] += p * v[d]`` in key order, IEEE), the cached prefix's V rows read once
-    for the 4 queries; the results go to ``out``.
+QuadPlan = namedtuple("QuadPlan", "past rows lengths firsts queries scores acc")
+"""One request's step for `quad_attention` (`QuadAttention.plan`): the same for every layer."""
 
-    lengths, firsts: (Up,) int64, query u's key count (past + depth + 1, 0 for padding)
-    and path start in ``ancestors``; queries, acc: (H_kv, Up, D) f32 and scores: (H_kv, Up,
-    >= max length) f32, scratch (Up: the queries rounded up to a multiple of 4)."""
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def quad_attention(plan, q, keys, values, ancestors, scale, out):  # pragma: no cover - compiled
+    """`tree_attention` (q, keys, values, ancestors, scale, out as there) four queries of one
+    kv head at a time, one parallel task per quad: query head h of row i is query u = i * G +
+    h % G of kv head h // G (G query heads per kv head). Per quad: its queries gathered, dot
+    products by `_quad_scores`, then per query a softmax (scale, max, `exp32`, the total by
+    `_sum32`, a vectorised sum whose order depends on the query's key count alone, p = e /
+    total) and the weighted sum of V as `tree_attention` forms it (each element ``acc[d] +=
+    p * v[d]`` in key order, IEEE), the cached prefix's V rows read once for the 4 queries;
+    the results go to ``out``.
+
+    ``plan`` (a `QuadPlan`): past and rows as `tree_attention`'s; lengths, firsts: (Up,)
+    int64, query u's key count (past + depth + 1, 0 for padding) and path start in
+    ``ancestors``; queries, acc: (H_kv, Up, D) f32 and scores: (H_kv, Up, >= max length) f32,
+    scratch (Up: the queries rounded up to a multiple of 4)."""
+    past, rows, lengths, firsts, queries, scores, acc = plan
     kv_heads, up, dim = queries.shape
     groups = q.shape[1] // dim // kv_heads
     units = rows * groups
@@ -281,7 +287,7 @@ class QuadAttention:
     def suits(cls, heads: int, kv_heads: int, head_dim: int) -> bool:
         return heads // kv_heads >= cls.MIN_GROUPS
 
-    def plan(self, past: int, starts: np.ndarray, rows: int) -> tuple:
+    def plan(self, past: int, starts: np.ndarray, rows: int) -> QuadPlan:
         """For a step of ``rows`` packed nodes after ``past`` cached tokens (``starts`` as
         `tree_attention`'s): lengths, firsts and C-contiguous scratch views (numba compiles
         strided views apart, and slower), carved from a buffer that only grows (to 1.25x the
@@ -299,13 +305,12 @@ class QuadAttention:
         if len(self._memory) < sum(sizes):  # a quarter to spare: contexts grow a few rows a step
             self._memory = np.zeros(sum(sizes) + sum(sizes) // 4, np.float32)
         a, b = sizes[0], sizes[0] + sizes[1]
-        return (past, rows, lengths, firsts, self._memory[:a].reshape(kv, up, dim),
-                self._memory[b:b + sizes[2]].reshape(kv, up, width), self._memory[a:b].reshape(kv, up, dim))
+        return QuadPlan(past, rows, lengths, firsts, self._memory[:a].reshape(kv, up, dim),
+                        self._memory[b:b + sizes[2]].reshape(kv, up, width), self._memory[a:b].reshape(kv, up, dim))
 
-    def __call__(self, plan: tuple, q, keys, values, ancestors, scale: float, out) -> None:
+    def __call__(self, plan: QuadPlan, q, keys, values, ancestors, scale: float, out) -> None:
         """`tree_attention` of the planned step (q, keys, values, ancestors, scale, out as there)."""
-        past, rows, lengths, firsts, queries, scores, acc = plan
-        quad_attention(q, keys, values, past, lengths, firsts, ancestors, scale, out, rows, queries, scores, acc)
+        quad_attention(plan, q, keys, values, ancestors, scale, out)
 
 
 @functools.cache

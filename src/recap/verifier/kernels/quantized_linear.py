@@ -210,10 +210,10 @@ def linear_panels(x, w, bias, out, rows, weight_rows):  # pragma: no cover - com
                 _unpack(w, q + slot * span, panel, slot)
             if weight_rows == 4:
                 for m0 in range(0, rows, ROW_BLOCK):
-                    _block4(x, m0, panel, 0, 1, 2, 3, out, q, q + span, q + 2 * span, q + 3 * span, bias)
+                    _block4(x, m0, panel, (0, 1, 2, 3), out, (q, q + span, q + 2 * span, q + 3 * span), bias)
             else:
                 for m0 in range(0, rows, ROW_BLOCK):
-                    _block3(x, m0, panel, 0, 1, 2, out, q, q + span, q + 2 * span, bias)
+                    _block3(x, m0, panel, (0, 1, 2), out, (q, q + span, q + 2 * span), bias)
     panel = np.empty((1, width), np.float32)
     for n in range(span * weight_rows, w.shape[0]):
         _unpack(w, n, panel, 0)

@@ -26,11 +26,14 @@ PANEL = 8
 
 
 @njit(inline="always")
-def _block4(x, m0, w, w0, w1, w2, w3, out, n0, n1, n2, n3, bias):  # pragma: no cover - compiled
-    # x: (Mp, K) f32; w0..w3: rows of w: (N', K) as stored, into output columns n0..n3 of
-    # out: (Mp, N) f32; bias: (N,) f32 or (0,). 16 dot products in `lanes` order: a<i><j> is
-    # weight row i x token row j. x0..x3 and w0..w3 are row indices, not views: a view is a
-    # reference-counted object (two atomic updates each), a row index costs nothing.
+def _block4(x, m0, w, rows, out, columns, bias):  # pragma: no cover - compiled
+    # x: (Mp, K) f32; rows (w0, w1, w2, w3): rows of w: (N', K) as stored, into output
+    # columns (n0, n1, n2, n3) of out: (Mp, N) f32; bias: (N,) f32 or (0,). 16 dot products in
+    # `lanes` order: a<i><j> is weight row i x token row j. x0..x3 and w0..w3 are row
+    # indices, not views: a view is a reference-counted object (two atomic updates each), a
+    # row index costs nothing (and a tuple of them, inlined, is unpacked into registers).
+    w0, w1, w2, w3 = rows
+    n0, n1, n2, n3 = columns
     x0 = m0
     x1 = m0 + 1
     x2 = m0 + 2
@@ -129,10 +132,12 @@ def _block1(x, m0, w, w0, out, n, bias):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _block3(x, m0, w, w0, w1, w2, out, n0, n1, n2, bias):  # pragma: no cover - compiled
-    # x: (Mp, K) f32; w0..w2: rows of w as stored, into output columns n0..n2 of out: (Mp, N)
-    # f32; bias: (N,) f32 or (0,). `_block4` with 3 weight rows: 12 accumulators fit 16
-    # vector registers.
+def _block3(x, m0, w, rows, out, columns, bias):  # pragma: no cover - compiled
+    # x: (Mp, K) f32; rows (w0, w1, w2): rows of w as stored, into output columns (n0, n1,
+    # n2) of out: (Mp, N) f32; bias: (N,) f32 or (0,). `_block4` with 3 weight rows: 12
+    # accumulators fit 16 vector registers.
+    w0, w1, w2 = rows
+    n0, n1, n2 = columns
     x0 = m0
     x1 = m0 + 1
     x2 = m0 + 2
