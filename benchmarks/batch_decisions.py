@@ -41,11 +41,10 @@ class _Ledger:
         self.seconds = 0.0
 
     def verify(self, real):
-        def priced(lanes, roots, trees, samplers, positions, prefills=()):
-            nodes = sum(len(tree) for tree in trees)
-            prompt = sum(rows for _, rows in prefills)
-            rows = nodes + len(trees) + prompt
-            context = sum(lane.past_len for lane in lanes) // max(1, len(lanes))
+        def priced(batch):
+            prompt, rows = batch.prefill_rows, batch.packed
+            nodes = rows - prompt - len(batch.requests)
+            context = sum(r.target.past_len for r in batch.requests) // max(1, len(batch.requests))
             self.steps += 1
             self.rows += rows
             self.prompt_rows += prompt
@@ -53,7 +52,7 @@ class _Ledger:
                 self.chunk_steps += 1
                 self.chunk_nodes += nodes
             self.seconds += float(self.cost.predict(rows, context)) + self.host_s
-            return real(lanes, roots, trees, samplers, positions, prefills)
+            return real(batch)
         return priced
 
 

@@ -64,15 +64,15 @@ def main() -> None:
     spent = {"forward_s": 0.0, "steps": 0, "rows": 0, "prompt_rows": 0}
     verify = batching.verify_batch
 
-    def timed(lanes, roots, trees, samplers, positions, prefills=()):
+    def timed(batch):
         start = time.perf_counter()
         try:
-            return verify(lanes, roots, trees, samplers, positions, prefills)
+            return verify(batch)
         finally:
             spent["forward_s"] += time.perf_counter() - start
             spent["steps"] += 1
-            spent["rows"] += sum(len(tree) + 1 for tree in trees) + sum(rows for _, rows in prefills)
-            spent["prompt_rows"] += sum(rows for _, rows in prefills)
+            spent["rows"] += batch.packed
+            spent["prompt_rows"] += batch.prefill_rows
 
     batching.verify_batch = timed
     print(f"model {args.model}, method {args.method}, {args.threads} thread(s), {args.requests} requests, "

@@ -32,7 +32,7 @@ def main() -> None:
     from recap.verifier.kernels.threads import check_read_back, read_back
 
     target = recap.load(args.model, weights=args.weights, kernels="fast")
-    decoder = target._fast
+    decoder = target.decoder
     cache, past = decoder.new_cache(128 + args.rows + 8), 128
     decoder.forward(cache, np.full(past, 5, np.int64), np.arange(past), np.arange(past + 1), np.arange(past))
     cache.commit(np.arange(past))

@@ -33,12 +33,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 import recap  # noqa: E402
-import recap.verifier.base as target_base  # noqa: E402
+import recap.verifier.stock as stock_lane  # noqa: E402
+from recap.verifier import acceptance  # noqa: E402
 from recap.verifier.kernels import decoder as fast_decoder  # noqa: E402
 from recap.verifier.kernels import ops  # noqa: E402
 from recap.verifier.kernels.linear import Linear  # noqa: E402
 from recap.verifier.kernels.threads import check_read_back, read_back  # noqa: E402
-from recap.verifier.profile import random_tree  # noqa: E402
+from recap.verifier.profile import (
+    measuring,  # noqa: E402
+    random_tree,  # noqa: E402
+)
 
 CATEGORIES = ("linear", "attention", "norm", "elementwise", "mask", "cache", "logits/top-k", "other")
 clock = time.perf_counter
@@ -72,10 +76,10 @@ def patched(obj, name, value):
 def instrument(target, timer: Timer):
     """Attribute time to categories for the path the target runs."""
     with contextlib.ExitStack() as stack:
-        mask = timer.wrap("mask", target_base.tree_attention_mask)
-        stack.enter_context(patched(target_base, "tree_attention_mask", mask))
-        stack.enter_context(patched(target_base, "compact_cache", timer.wrap("cache", target_base.compact_cache)))
-        stack.enter_context(patched(target, "_top_rows", timer.wrap("logits/top-k", target._top_rows)))
+        mask = timer.wrap("mask", stock_lane.tree_attention_mask)
+        stack.enter_context(patched(stock_lane, "tree_attention_mask", mask))
+        stack.enter_context(patched(stock_lane, "compact_cache", timer.wrap("cache", stock_lane.compact_cache)))
+        stack.enter_context(patched(acceptance, "top_rows", timer.wrap("logits/top-k", acceptance.top_rows)))
         if target.kernels == "fast":
             for name, category in (("rms_norm", "norm"), ("rope", "elementwise"), ("silu_mul", "elementwise"),
                                    ("write_cache", "cache"), ("tree_attention", "attention")):
@@ -120,7 +124,7 @@ def instrument(target, timer: Timer):
 def profile(target, sizes, context: int, repeats: int, seed: int = 0) -> dict[int, dict[str, float]]:
     rng = np.random.default_rng(seed)
     pool = np.arange(100, min(target.vocab_size, 20000))
-    with target.measuring(rng.choice(pool, context)) as session:
+    with measuring(target, rng.choice(pool, context)) as session:
         return _profile(target, session, sizes, repeats, pool, rng)
 
 

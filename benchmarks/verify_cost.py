@@ -24,6 +24,7 @@ import torch
 
 import recap
 from recap.core import ROOT, DraftTree
+from recap.verifier.profile import measuring
 
 
 def random_tree(nodes: int, rng: np.random.Generator, vocab: int) -> DraftTree:
@@ -39,7 +40,7 @@ def measure(model: str, dtype: str, sizes: list[int], repeats: int, prompt_token
     ids = target.prepare(prompt).input_ids[0].numpy()
     trees = {n: random_tree(n - 1, rng, target.vocab_size) for n in sizes}
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    with target.measuring(ids) as session:
+    with measuring(target, ids) as session:
         for round_index in range(repeats + 1):  # round 0 is the warm-up
             for n in rng.permutation(sizes):
                 start = time.perf_counter()

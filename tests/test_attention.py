@@ -8,8 +8,8 @@ from transformers import DynamicCache
 
 from recap.core import ROOT, DraftTree
 from recap.decoding import reference_generate
+from recap.verifier.acceptance import first_argmax
 from recap.verifier.attention import compact_cache, tree_attention_mask, tree_positions
-from recap.verifier.base import first_argmax
 
 
 def test_mask_is_additive_float_with_visible_prefix():
@@ -70,12 +70,12 @@ def test_verify_then_commit_equals_feeding_tokens_one_by_one(tiny_stock_target):
     step = target.verify(first, tree)
     assert step.committed[:3] == reference[1:4]
     target.commit(step.accepted)
-    tree_cache = [(layer.keys.clone(), layer.values.clone()) for layer in target.cache.layers]
+    tree_cache = [(layer.keys.clone(), layer.values.clone()) for layer in target.lane.cache.layers]
 
     target.prefill(inputs)
     for token in [first, *reference[1:4]][: len(step.accepted) + 1]:
         target.commit(target.verify(token, DraftTree.empty()).accepted)
-    for (keys, values), layer in zip(tree_cache, target.cache.layers):
+    for (keys, values), layer in zip(tree_cache, target.lane.cache.layers):
         assert keys.shape == layer.keys.shape
         torch.testing.assert_close(keys, layer.keys, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(values, layer.values, rtol=1e-4, atol=1e-5)

@@ -23,7 +23,7 @@ from recap.prompts import check_prompts
 from recap.proposers import make_proposer
 from recap.proposers.base import BaseProposer
 from recap.proposers.testing import DecoyDrafter
-from recap.verifier.batch import verify_batch
+from recap.verifier.batch import StepBatch, StepRequest, verify_batch
 from recap.verifier.kernels.decoder import FastDecoder
 from recap.verifier.sampling import Sampling
 from tests.conftest import TINY_MODELS, fixed_cost_profile, load_target
@@ -75,7 +75,7 @@ def _tree(seed: int, size: int) -> DraftTree:
 def _batched_logits(target, cases, trees) -> list[np.ndarray]:
     lanes = [target.fork() for _ in cases]
     roots = [lane.prefill(inputs)[1] for lane, inputs in zip(lanes, cases)]
-    verify_batch(lanes, roots, trees, [None] * len(lanes), [1] * len(lanes))
+    verify_batch(StepBatch([StepRequest(lane, root, tree, None, 1) for lane, root, tree in zip(lanes, roots, trees)]))
     logits = [lane.last_logits.copy() for lane in lanes]
     for lane in lanes:
         lane.release()

@@ -280,9 +280,9 @@ def test_measure_profile_times_every_size():
     profile = profiles.measure_profile(target, **SMALL)
     assert profile.times.shape == (2, 3) and profile.source == "measured"
     assert np.all(np.isfinite(profile.times)) and np.all(profile.times > 0)
-    assert profile.key == profiles.profile_key(target) and target.cache is None
+    assert profile.key == profiles.profile_key(target) and not target.holds_cache
     # the fast kernels' row padding: blocks of 4 rows, or row by row where every layer has remainder blocks
-    row_by_row = target.kernels != "fast" or all(linear.remainders for layer in target._fast.layers
+    row_by_row = target.kernels != "fast" or all(linear.remainders for layer in target.decoder.layers
                                                  for linear in layer.linears())
     assert profile.row_block == target.cost_row_block == (1 if row_by_row else 4)
 

@@ -54,7 +54,7 @@ def test_an_error_inside_a_step_frees_the_cache(tiny_llama, monkeypatch):
     monkeypatch.setattr(tiny_llama, "verify", broken)
     with pytest.raises(RuntimeError, match="verification failed"):
         decode(tiny_llama, proposer, tiny_llama.prepare("Hello there"), max_new_tokens=8)
-    assert tiny_llama.cache is None
+    assert not tiny_llama.holds_cache
 
 
 def test_prompt_plus_max_new_tokens_beyond_the_context_is_refused(tiny_llama):

@@ -17,6 +17,7 @@ from recap.errors import InputError
 from recap.overhead import SyntheticTarget
 from recap.proposers import PROPOSERS, BaseProposer, PromptLookupProposer, Proposer, make_proposer
 from recap.verifier import BaseTarget, MeasuringSession, Target
+from recap.verifier.profile import measuring
 from recap.verifier.sampling import Sampling
 from tests.conftest import TINY_MODELS, load_target
 
@@ -30,7 +31,7 @@ def test_every_registered_proposer_satisfies_the_protocol(name):
     assert isinstance(proposer, Proposer)
     for flag in ("stream_state", "wants_cost", "wants_image_attention"):
         assert isinstance(getattr(proposer, flag), bool), flag
-    assert proposer.prompt_rows in ROWS_WANTED
+    assert proposer.rows_wanted in ROWS_WANTED
     assert isinstance(proposer.stage_times(), dict)
 
 
@@ -38,7 +39,7 @@ def test_only_the_methods_that_ask_declare_it():
     assert make_proposer("recap").wants_cost and not make_proposer("recap-paper").wants_cost
     assert make_proposer("sam-viskip").wants_image_attention and not make_proposer("sam").wants_image_attention
     assert not any(make_proposer(name).wants_image_attention for name in PROPOSERS if name != "sam-viskip")
-    rows = {name: make_proposer(name).prompt_rows for name in PROPOSERS}
+    rows = {name: make_proposer(name).rows_wanted for name in PROPOSERS}
     seeding = {"recap-paper", "tree-recycling"}  # seed from each eligible prompt token's first row
     answers = {"recap"}  # those first rows inside earlier assistant turns
     testing = {"decoy", "random"}  # test drafters keep the safe default
@@ -46,7 +47,7 @@ def test_only_the_methods_that_ask_declare_it():
     assert {name for name, wanted in rows.items() if wanted == "answers"} == answers
     assert {name for name, wanted in rows.items() if wanted == "all"} == testing
     assert {name for name, wanted in rows.items() if wanted == "none"} == set(PROPOSERS) - seeding - answers - testing
-    assert make_proposer("recap", seed_prompt="all").prompt_rows == "first"
+    assert make_proposer("recap", seed_prompt="all").rows_wanted == "first"
     with pytest.raises(InputError, match="seed_prompt"):
         make_proposer("recap", seed_prompt="some")
 
@@ -122,7 +123,7 @@ class AskingDrafter(PromptLookupProposer):
     name = "asking"
     wants_cost = True
     wants_image_attention = True
-    prompt_rows = "first"
+    rows_wanted = "first"
 
     def propose(self, history, limits=None):
         self.limits = limits
@@ -168,7 +169,7 @@ def test_sampling_on_a_greedy_only_target_is_refused_up_front():
 def test_base_proposer_defaults_ask_for_nothing():
     base = BaseProposer()
     assert not base.wants_cost and not base.wants_image_attention and not base.stream_state
-    assert base.prompt_rows == "all"  # the safe default: a method reading the prompt's Top-K rows gets them
+    assert base.rows_wanted == "all"  # the safe default: a method reading the prompt's Top-K rows gets them
     assert base.stage_times() == {}
     base.set_reference([1, 2, 3])  # accepted and ignored
 
@@ -179,7 +180,7 @@ def test_a_measuring_session_restores_the_prefix_and_frees_the_cache(kernels):
     shared = load_target("tiny-llama")
     target = recap.wrap(shared.model, shared.processor, kernels=kernels)
     tree = DraftTree([5, 6, 7], [-1, 0, -1])
-    with target.measuring(np.arange(10, 22)) as session:
+    with measuring(target, np.arange(10, 22)) as session:
         assert isinstance(session, MeasuringSession) and session.context_len == target.past_len == 12
         session.step(tree)
         assert target.past_len == 13  # the root's entry, as a decode step commits it
@@ -198,10 +199,10 @@ def test_a_measuring_session_turns_the_capture_off_and_back_on():
     shared = load_target("tiny-qwen2.5-vl")
     target = recap.wrap(shared.model, shared.processor)
     assert target.capture_image_attention(True)
-    with target.measuring(np.arange(10, 20)):
-        assert not target._capture.enabled  # the stock attention path is what gets timed
-    assert target._capture.enabled
+    with measuring(target, np.arange(10, 20)):
+        assert not target.capture.enabled  # the stock attention path is what gets timed
+    assert target.capture.enabled
     target.capture_image_attention(False)
-    with target.measuring(np.arange(10, 20)):
+    with measuring(target, np.arange(10, 20)):
         pass
-    assert target._capture is None or not target._capture.enabled  # off stays off
+    assert target.capture is None or not target.capture.enabled  # off stays off

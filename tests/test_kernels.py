@@ -71,7 +71,7 @@ def test_packed_verify_is_bit_identical_with_16_bit_weights(dtype):
     """Weights read as stored and widened in registers: the tree's nodes still get their
     plain steps' bits (a Qwen2 decoder: q/k/v biases, M-RoPE)."""
     target = load_target("tiny-qwen2.5-vl", dtype)
-    assert target.kernels == "fast" and target._fast.head.weight.dtype != np.float32
+    assert target.kernels == "fast" and target.decoder.head.weight.dtype != np.float32
     assert mismatched_nodes(target, _random_tree(np.random.default_rng(4), 14, 1000)) == 0
 
 
@@ -105,7 +105,7 @@ def test_packed_verify_is_bit_identical_with_quad_attention(name, monkeypatch):
     the threshold lowered they run attention four queries at a time, and stay exact."""
     monkeypatch.setattr(ops.QuadAttention, "MIN_GROUPS", 1)
     target = recap.load(name, kernels="fast")
-    assert target._fast.quad_attention is not None
+    assert target.decoder.quad_attention is not None
     assert mismatched_nodes(target, _random_tree(np.random.default_rng(3), 20, 1000)) == 0
 
 
@@ -231,7 +231,7 @@ def test_packed_verify_is_bit_identical_on_either_block(weight_rows, monkeypatch
     """The decoder built on the block this machine would not pick by itself is exact too."""
     monkeypatch.setattr(kernel_linear, "WEIGHT_ROWS", weight_rows)
     target = recap.load("tiny-qwen2.5-vl", kernels="fast")
-    assert {linear.weight_rows for layer in target._fast.layers for linear in layer.linears()} == {weight_rows}
+    assert {linear.weight_rows for layer in target.decoder.layers for linear in layer.linears()} == {weight_rows}
     assert mismatched_nodes(target, _random_tree(np.random.default_rng(2), 16, 1000)) == 0
 
 
@@ -466,7 +466,7 @@ def test_fast_greedy_output_agrees_with_generate_on_tiny_models(name):
 
 def test_kernel_selection_and_errors():
     target = recap.load("tiny-llama", kernels="stock")
-    assert target.kernels == "stock" and target._fast is None
+    assert target.kernels == "stock" and target.decoder is None
     assert target.use_kernels("fast") == "fast"
     fast_key = profile_key(target)
     assert target.use_kernels("stock") == "stock"

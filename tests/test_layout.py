@@ -97,3 +97,74 @@ def test_the_circle_check_finds_a_circle():
 @pytest.mark.parametrize("folder", sorted(p for p in PACKAGE.rglob("*") if p.is_dir() and p.name != "__pycache__"))
 def test_no_package_folder_looks_like_build_output(folder):
     assert folder.name not in OUTPUT_NAMES, f"{folder}: global ignore files treat '{folder.name}/' as build output"
+
+
+def _foreign_underscore_writes(source: str) -> list[str]:
+    """Assignments in a class's methods to ``other._name`` (not ``self``) where the class never
+    sets ``self._name`` itself: one object writing another class's private state (as
+    `ChunkedPrefill` once set six of a lane's fields). A copy of the class's own object
+    (``copy._pool`` in `FastMemory.snapshot`) sets its own class's names and passes."""
+    found = []
+    for cls in (node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ClassDef)):
+        own, foreign = set(), []
+        for node in ast.walk(cls):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for target in (t for x in targets for t in (x.elts if isinstance(x, ast.Tuple) else [x])):
+                if isinstance(target, ast.Attribute) and target.attr.startswith("_") \
+                        and not target.attr.startswith("__"):
+                    if isinstance(target.value, ast.Name) and target.value.id in ("self", "cls"):
+                        own.add(target.attr)
+                    else:
+                        foreign.append((target.attr, f"{cls.name}:{node.lineno} {ast.unparse(target)}"))
+        found += [where for name, where in foreign if name not in own]
+    return found
+
+
+def test_no_class_writes_another_class_underscore_state():
+    found = [f"{path.relative_to(PACKAGE)} {where}" for path in PACKAGE.rglob("*.py")
+             for where in _foreign_underscore_writes(path.read_text(encoding="utf-8"))]
+    assert found == []
+
+
+def test_the_underscore_check_finds_a_foreign_write():
+    """Negative control: the pattern the chunked prefill had before the runners owned their lanes."""
+    source = ("class ChunkedPrefill:\n"
+              "    def __init__(self, lane):\n"
+              "        self.lane = lane\n"
+              "        lane._kv, lane.past_len = None, 0\n")
+    assert _foreign_underscore_writes(source) == ["ChunkedPrefill:4 lane._kv"]
+
+
+def _parameter_counts(source: str) -> list[tuple[str, int, bool]]:
+    """(name, positional or required parameters, compiled) of every function in ``source``;
+    compiled: decorated with numba's ``njit`` / ``jit`` / ``intrinsic``."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            positional = len(args.posonlyargs) + len(args.args)
+            required = positional - len(args.defaults) + sum(default is None for default in args.kw_defaults)
+            compiled = any(word in ast.unparse(decorator) for decorator in node.decorator_list
+                           for word in ("njit", "jit", "intrinsic"))
+            out.append((f"{node.name}:{node.lineno}", max(positional, required), compiled))
+    return out
+
+
+def _too_many(source: str) -> list[str]:
+    return [name for name, count, compiled in _parameter_counts(source) if count > (12 if compiled else 10)]
+
+
+def test_no_function_takes_too_many_parameters():
+    """At most 10 positional or required parameters, 12 in a compiled kernel (where arrays
+    stand in for objects): RECAP's memory goes to its kernels as one named structure."""
+    found = [f"{path.relative_to(PACKAGE)} {name}" for path in PACKAGE.rglob("*.py")
+             for name in _too_many(path.read_text(encoding="utf-8"))]
+    assert found == []
+
+
+def test_the_parameter_check_finds_a_long_signature():
+    """Negative control: ``_fuse``'s signature before the memory became one structure."""
+    names = ", ".join(f"a{i}" for i in range(23))
+    assert _too_many(f"@njit(cache=True)\ndef _fuse({names}):\n    pass\n") == ["_fuse:2"]
+    assert _too_many("def plain(a, b, c, d, e, f, g, h, i, j, k):\n    pass\n") == ["plain:1"]

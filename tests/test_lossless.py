@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import recap
-import recap.verifier.base as target_base
+import recap.verifier.stock as stock_lane
 from recap.check import run_check
 from recap.core import ROOT, VerifiedTree
 from recap.decoding import reference_generate
@@ -101,7 +101,7 @@ def test_decoy_trees_are_lossless_with_quad_attention(monkeypatch):
     quad attention and stay lossless against plain decoding on the same kernels."""
     monkeypatch.setattr(ops.QuadAttention, "MIN_GROUPS", 1)
     target = recap.load("tiny-qwen2.5-vl", kernels="fast")
-    assert target._fast.quad_attention is not None
+    assert target.decoder.quad_attention is not None
     report = run_check(target, RecordingDecoy(seed=5), prompts=10, max_new_tokens=30, vary=True, seed=2)
     _assert_all_passed(report)
     assert_drafted(report, min_accepted=30)
@@ -120,7 +120,7 @@ def test_lossless_on_real_smollm2(smollm2, method):
 # ----------------------------------------------------------------------------- negative controls
 def test_siblings_seeing_each_other_is_detected(monkeypatch):
     """A causal mask over the packed tree lets each node see earlier siblings' branches."""
-    monkeypatch.setattr(target_base, "tree_attention_mask", _leaky(target_base.tree_attention_mask))
+    monkeypatch.setattr(stock_lane, "tree_attention_mask", _leaky(stock_lane.tree_attention_mask))
     report = run_check(load_target("tiny-llama", kernels="stock"), DecoyDrafter(seed=5), prompts=8,
                        max_new_tokens=32, seed=5)
     assert report.failed > 0
@@ -155,12 +155,12 @@ def test_positions_without_mrope_delta_are_detected(kernels, monkeypatch):
     from recap.prompts import check_prompts
 
     target = load_target("tiny-qwen2.5-vl", kernels=kernels)
-    original = QwenVLTarget._prompt_positions
+    original = QwenVLTarget.prompt_positions
 
     def without_delta(self, inputs):
         return original(self, inputs)[0], 0
 
-    monkeypatch.setattr(QwenVLTarget, "_prompt_positions", without_delta)
+    monkeypatch.setattr(QwenVLTarget, "prompt_positions", without_delta)
     if kernels == "stock":
         report = run_check(target, DecoyDrafter(seed=6), prompts=8, max_new_tokens=32, seed=6)
         assert report.failed > 0

@@ -59,9 +59,9 @@ def test_a_model_built_from_the_file_alone_gives_the_float_models_logits(name, f
     assert alone.weights == floats.weights == "stored"
     assert alone.parameter_count == floats.parameter_count
     assert _weights_held(alone.model) < 10_000  # norms and biases
-    on_blocks = step_logits(floats._fast)
+    on_blocks = step_logits(floats.decoder)
     assert floats.use_weights("float") == "float"  # from here on, its own float weights
-    for a, b, c in zip(step_logits(alone._fast), on_blocks, step_logits(floats._fast), strict=True):
+    for a, b, c in zip(step_logits(alone.decoder), on_blocks, step_logits(floats.decoder), strict=True):
         assert np.isfinite(a).all()
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
         np.testing.assert_array_equal(a.view(np.uint32), c.view(np.uint32))
@@ -95,8 +95,8 @@ def test_a_wrong_reading_of_the_file_is_caught(files, with_floats, monkeypatch):
     model built from the file alone decodes, and its logits differ from the float model's."""
     monkeypatch.setattr(stored, "_llama_rows", lambda rows, heads: np.arange(rows))
     wrong = recap.load(files["llama"], float_copy=False)
-    right = step_logits(with_floats["llama"]._fast)
-    assert any(not np.array_equal(a, b) for a, b in zip(step_logits(wrong._fast), right, strict=True))
+    right = step_logits(with_floats["llama"].decoder)
+    assert any(not np.array_equal(a, b) for a, b in zip(step_logits(wrong.decoder), right, strict=True))
 
 
 def test_what_a_model_without_floats_refuses(files):

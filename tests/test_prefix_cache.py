@@ -25,8 +25,8 @@ def _prefilled(target, inputs):
     """(Top-K ids, Top-K logits, first token, K/V rows) of a prefill."""
     rows, first = target.prefill(inputs)
     length = target.past_len
-    state = (rows.topk_ids.copy(), rows.topk_logits.copy(), first, target._kv.keys[:, :, :length].copy(),
-             target._kv.values[:, :, :length].copy())
+    state = (rows.topk_ids.copy(), rows.topk_logits.copy(), first, target.lane.kv.keys[:, :, :length].copy(),
+             target.lane.kv.values[:, :, :length].copy())
     target.release()
     return state
 
@@ -56,7 +56,7 @@ def test_a_text_prefill_is_one_token_steps_bit_for_bit(name, fresh_cache):
     inputs = _prompt(target, "What colour is the sky at noon?")
     ids = inputs.prompt_ids
     rows, first = target.prefill(inputs)
-    prefilled_keys = target._kv.keys[:, :, :len(ids)].copy()
+    prefilled_keys = target.lane.kv.keys[:, :, :len(ids)].copy()
     last_row = rows.topk_logits[-1].copy()
     target.release()
     target.prefix_cache = PrefixCache()
@@ -64,7 +64,7 @@ def test_a_text_prefill_is_one_token_steps_bit_for_bit(name, fresh_cache):
     for token in ids[1:]:
         step = target.verify(int(token), DraftTree.empty())
         target.commit([])
-    assert target.past_len == len(ids) and np.array_equal(target._kv.keys[:, :, :len(ids)], prefilled_keys)
+    assert target.past_len == len(ids) and np.array_equal(target.lane.kv.keys[:, :, :len(ids)], prefilled_keys)
     assert np.array_equal(step.topk_logits[0], last_row) and int(step.argmax[0]) == first
     target.release()
 
@@ -127,7 +127,6 @@ def test_an_image_prompt_prefills_in_chunks_as_one_token_steps_bit_for_bit(name,
     whole = _prefilled(target, inputs)
     for chunk in (1, 5):
         monkeypatch.setattr(prefix_module, "PREFILL_CHUNK", chunk)
-        monkeypatch.setattr("recap.verifier.base.PREFILL_CHUNK", chunk)
         assert _same(_prefilled(target, inputs), whole)
     assert target.prefix_cache.tokens <= inputs.language.first_image_row
 
@@ -148,8 +147,8 @@ def test_two_images_after_the_same_text_share_only_the_text_rows(name, fresh_cac
     assert _same(shared, alone)
     original = prefix_module.ChunkedPrefill.__init__
 
-    def unbounded(self, lane, prompt, language=None):
-        original(self, lane, prompt, language)
+    def unbounded(self, lane, prompt, rows_kept="all", language=None):
+        original(self, lane, prompt, rows_kept, language)
         self._shareable = len(prompt)
 
     monkeypatch.setattr(prefix_module.ChunkedPrefill, "__init__", unbounded)

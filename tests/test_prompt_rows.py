@@ -20,7 +20,7 @@ from recap.core import NOT_COMPUTED, first_eligible
 from recap.decoding import decode, reference_generate
 from recap.images import synthetic_image
 from recap.proposers import make_proposer
-from recap.verifier import base as target_base
+from recap.verifier import prompt_rows as prompt_rows_module
 from recap.verifier.kernels import decoder as decoder_module
 from recap.verifier.kernels.prefix import PREFILL_CHUNK, PrefixCache, chain
 from tests.conftest import TINY_MODELS, load_target
@@ -32,13 +32,13 @@ QUESTIONS = ("Name a large river and say where it flows, the river and the sea."
 def _head_rows_counted(target, monkeypatch) -> list[int]:
     """Rows each call of the fast decoder's LM head is asked for (the kernel pads them itself)."""
     calls: list[int] = []
-    head = target._fast.head
+    head = target.decoder.head
 
     def counted(x, out, rows):
         calls.append(rows)
         return head(x, out, rows)
 
-    monkeypatch.setattr(target._fast, "head", counted)
+    monkeypatch.setattr(target.decoder, "head", counted)
     return calls
 
 
@@ -47,7 +47,8 @@ def _image_inputs(target, question: str):
 
 
 def _prefill(target, inputs, rows: str):
-    target.prefix_cache.clear()
+    if target.prefix_cache is not None:  # the fast kernels' (the stock path reuses no prefix)
+        target.prefix_cache.clear()
     target.keep_prompt_rows(rows)
     prompt, first = target.prefill(inputs)
     target.release()
@@ -93,7 +94,6 @@ def test_first_rows_are_those_of_every_row(kernels):
     fast kernels (the head's rows are independent); on stock, transformers' head over fewer
     rows may round differently, so the same Top-K ids and logits within float tolerance."""
     target = load_target("tiny-llama", kernels=kernels)
-    target.prefix_cache = PrefixCache()
     inputs = target.prepare(QUESTIONS[0])
     every, first_all = _prefill(target, inputs, "all")
     some, first_some = _prefill(target, inputs, "first")
@@ -145,7 +145,7 @@ def test_recap_without_prompt_seeding_prefills_one_head_row(name, monkeypatch):
     inputs = _image_inputs(target, QUESTIONS[0])
     reference = decode(target, make_proposer("ar"), inputs, max_new_tokens=24)
     stream = make_proposer("recap", ablation="no-prompt-seed")
-    assert stream.prompt_rows == "none" and make_proposer("recap").prompt_rows == "answers"
+    assert stream.rows_wanted == "none" and make_proposer("recap").rows_wanted == "answers"
     seen = []
     begin = stream.begin_request
     monkeypatch.setattr(stream, "begin_request",
@@ -176,8 +176,8 @@ def test_the_answer_mask_finds_earlier_assistant_turns(name):
     mask = target.answer_mask(ids)
     assert target.tokenizer.decode(ids[mask].tolist()) == REPEAT_CHAT[1]["content"]
     assert not target.answer_mask(np.array(target.prepare(QUESTIONS[0]).prompt_ids)).any()
-    wanted = target.wanted_rows(ids, "answers")
-    firsts = target.wanted_rows(ids, "first")
+    wanted = target.wanted_positions(ids, "answers")
+    firsts = target.wanted_positions(ids, "first")
     assert set(wanted) <= set(firsts) and wanted[-1] == len(ids) - 1
     assert np.all(mask[wanted[:-1]]) and len(wanted) > 1
 
@@ -189,7 +189,7 @@ def test_a_template_without_a_found_header_seeds_nothing(monkeypatch):
     target.prefix_cache = PrefixCache()
     monkeypatch.setitem(target.__dict__, "answer_header", ())
     inputs = target.prepare(REPEAT_CHAT)
-    assert list(target.wanted_rows(np.array(inputs.prompt_ids), "answers")) == [target.prompt_length(inputs) - 1]
+    assert list(target.wanted_positions(np.array(inputs.prompt_ids), "answers")) == [target.prompt_length(inputs) - 1]
     recap = make_proposer("recap")
     seeded = []
     begin = recap.begin_request
@@ -222,7 +222,7 @@ def test_recap_seeds_from_the_earlier_answer_only(name, monkeypatch):
     calls = _head_rows_counted(target, monkeypatch)
     target.prefix_cache.clear()
     result = decode(target, recap, inputs, max_new_tokens=16)
-    wanted = target.wanted_rows(ids, "answers")
+    wanted = target.wanted_positions(ids, "answers")
     assert calls[0] == len(wanted)  # one prefill chunk: the answer's first rows and the last
     assert seeded[0] == {(int(ids[p]),) for p in wanted[:-1]}  # the last row (the header) is not seeded
     target.prefix_cache.clear()
@@ -248,7 +248,7 @@ def test_a_prefill_that_computes_other_rows_is_caught(monkeypatch):
         reversed_first = first_eligible(np.asarray(ids)[::-1], np.asarray(eligible)[::-1])
         return np.sort(len(ids) - 1 - reversed_first)
 
-    monkeypatch.setattr(target_base, "first_eligible", last_eligible)
+    monkeypatch.setattr(prompt_rows_module, "first_eligible", last_eligible)
     prompt, _ = _prefill(target, inputs, "first")
     for method in ("recap-paper", "tree-recycling"):
         with pytest.raises(ValueError, match="not computed"):
@@ -291,7 +291,7 @@ def test_the_head_on_picked_rows_gives_their_bits():
     """`FastDecoder.forward`'s ``logit_rows``: the picked rows' logits equal those of the head
     over every row, bit for bit (the kernel's rows are independent)."""
     target = load_target("tiny-llama")
-    fast = target._fast
+    fast = target.decoder
     tokens = np.array(target.prepare(QUESTIONS[3]).prompt_ids[:11], np.int64)
     starts, paths = chain(len(tokens))
     positions = np.arange(len(tokens), dtype=np.int64)
@@ -326,7 +326,7 @@ def test_a_head_that_leaves_picked_rows_in_place_is_caught(monkeypatch):
     inputs = target.prepare(QUESTIONS[0])
     right = decode(target, make_proposer("recap"), inputs, max_new_tokens=6).tokens
     target.prefix_cache.clear()
-    target._fast._buffers.logits[:] = np.nan  # whatever a reused buffer holds: the picked rows overwrite it
+    target.decoder._buffers.logits[:] = np.nan  # whatever a reused buffer holds: the picked rows overwrite it
     assert decode(target, make_proposer("ar"), inputs, max_new_tokens=6).tokens == right
 
     def unmoved(self, picked):
@@ -336,7 +336,7 @@ def test_a_head_that_leaves_picked_rows_in_place_is_caught(monkeypatch):
 
     monkeypatch.setattr(decoder_module.FastDecoder, "_head_rows", unmoved)
     target.prefix_cache.clear()
-    target._fast._buffers.logits[:] = np.nan
+    target.decoder._buffers.logits[:] = np.nan
     assert decode(target, make_proposer("ar"), inputs, max_new_tokens=6).tokens != right
 
 

@@ -240,7 +240,7 @@ def test_smollm2_reads_its_gguf_blocks_and_gives_the_float_logits(smollm2):
     plain greedy decoding's output on the floats, token for token."""
     floats = recap.load("smollm2-135m", weights="float")
     assert smollm2.weights == "stored" and floats.weights == "float"
-    for stored_logits, float_logits in zip(step_logits(smollm2._fast), step_logits(floats._fast), strict=True):
+    for stored_logits, float_logits in zip(step_logits(smollm2.decoder), step_logits(floats.decoder), strict=True):
         np.testing.assert_array_equal(stored_logits.view(np.uint32), float_logits.view(np.uint32))
     prompt = "List the planets of the solar system in order, then list them again in reverse order."
     drafted = recap.generate(smollm2, prompt, method="recap", max_new_tokens=48)
@@ -311,25 +311,25 @@ def test_the_demo_vlm_reads_its_language_models_blocks():
     stored = recap.load("recap-demo-vlm")
     floats = recap.load("recap-demo-vlm", weights="float")
     assert stored.weights == "stored" and floats.weights == "float"
-    head = stored._fast.head
+    head = stored.decoder.head
     assert isinstance(head, GrownLinear) and head.blocks.name == "Q8_0" and head.grown.out_features == 1
-    assert stored._fast.layers[0].q.blocks.name == "Q4_1"
+    assert stored.decoder.layers[0].q.blocks.name == "Q4_1"
     image_token = stored.model.config.image_token_id
-    assert image_token >= len(stored._fast.embed)
-    rows = np.zeros((4, stored._fast.args.hidden), np.float32)
+    assert image_token >= len(stored.decoder.embed)
+    rows = np.zeros((4, stored.decoder.args.hidden), np.float32)
     expected = np.zeros_like(rows)
     tokens = np.array([5, image_token, 100, image_token], np.int64)
-    stored._fast._embed(tokens, rows)
-    floats._fast._embed(tokens, expected)
+    stored.decoder._embed(tokens, rows)
+    floats.decoder._embed(tokens, expected)
     np.testing.assert_array_equal(rows.view(np.uint32), expected.view(np.uint32))
     # an image prompt runs the model's own forward up to the language model: nothing rebuilt
     from PIL import Image
 
-    assert stored._float_copies.dropped
+    assert stored.fast_runner.float_copies.dropped
     stored.prefill(stored.prepare("Describe the image.", Image.new("RGB", (64, 48), "red")))
     stored.release()
-    assert stored._float_copies.dropped
-    for a, b in zip(step_logits(stored._fast), step_logits(floats._fast), strict=True):
+    assert stored.fast_runner.float_copies.dropped
+    for a, b in zip(step_logits(stored.decoder), step_logits(floats.decoder), strict=True):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
 

@@ -352,17 +352,18 @@ def test_one_requests_failure_in_a_shared_step_fails_only_that_request(monkeypat
     step's exception failed every request in the batch."""
     import concurrent.futures
 
-    from recap.verifier.base import TargetModel
+    from recap.verifier.fast import FastLane
 
-    real, calls = TargetModel._fast_rows, {}
+    real, calls = FastLane.step_rows, {}
 
     def failing(self, root, tree):
-        calls[self.prefix_scope] = calls.get(self.prefix_scope, 0) + 1
-        if self.prefix_scope == "bob" and calls["bob"] >= 3:
+        scope = self.target.prefix_scope
+        calls[scope] = calls.get(scope, 0) + 1
+        if scope == "bob" and calls["bob"] >= 3:
             raise RuntimeError("a lane's own failure")
         return real(self, root, tree)
 
-    monkeypatch.setattr(TargetModel, "_fast_rows", failing)
+    monkeypatch.setattr(FastLane, "step_rows", failing)
     keys = {"key-of-alice-0000001": "alice", "key-of-bob-000000002": "bob"}
     with serving("tiny-llama", method="ar", api_keys=keys, max_batch=4) as (url, app):
         _slow_steps(app, 0.01)

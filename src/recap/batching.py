@@ -38,7 +38,7 @@ from recap.decoding import DecodeStep, Decoding, GenerationResult
 from recap.errors import InputError
 from recap.proposers import Proposer, make_proposer
 from recap.verifier import TargetModel
-from recap.verifier.batch import verify_batch
+from recap.verifier.batch import StepBatch, StepRequest, verify_batch
 from recap.verifier.sampling import Sampling
 
 PREFILL_ROWS_PER_STEP = 32
@@ -135,9 +135,10 @@ class Batch:
             return events
         t0 = time.perf_counter()
         try:
-            verified: list = verify_batch([d.target for d in running], [d.history[-1] for d in running], trees,
-                                          [d.sampler for d in running], [len(d.result.tokens) for d in running],
-                                          [(self.prefilling[d], rows) for d, rows in chunks])
+            verified: list = verify_batch(StepBatch(
+                [StepRequest(d.target, d.history[-1], tree, d.sampler, len(d.result.tokens))
+                 for d, tree in zip(running, trees)],
+                [(self.prefilling[d], rows) for d, rows in chunks]))
             shared = True
         except Exception:
             if len(running) + len(chunks) < 2:
@@ -181,14 +182,14 @@ class Batch:
         verified: list = []
         for decoding, tree in zip(running, trees):
             try:
-                verified += verify_batch([decoding.target], [decoding.history[-1]], [tree], [decoding.sampler],
-                                         [len(decoding.result.tokens)])
+                verified += verify_batch(StepBatch([StepRequest(decoding.target, decoding.history[-1], tree,
+                                                                decoding.sampler, len(decoding.result.tokens))]))
             except Exception as error:  # noqa: BLE001 - one request's failure must not end the others
                 events.append(self._fail(decoding, error))
                 verified.append(None)
         for decoding, rows in chunks:
             try:
-                verify_batch([], [], [], [], [], [(self.prefilling[decoding], rows)])
+                verify_batch(StepBatch(prefills=[(self.prefilling[decoding], rows)]))
             except Exception as error:  # noqa: BLE001
                 events.append(self._fail(decoding, error))
         return verified

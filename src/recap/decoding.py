@@ -90,7 +90,7 @@ class Decoding:
 
     The loop uses only what `recap.verifier.protocol.Target` and `recap.proposers.Proposer`
     declare (context limit, sliding window, sampling, image-attention capture, cost profile,
-    ``wants_cost``, ``wants_image_attention``, ``prompt_rows``): any target and proposer that conform run here."""
+    ``wants_cost``, ``wants_image_attention``, ``rows_wanted``): any target and proposer that conform run here."""
 
     def __init__(self, target: Target, proposer: Proposer, inputs: ModelInputs | Sequence[int], *,
                  max_new_tokens: int = 128, eos_token_ids: Sequence[int] | None = None,
@@ -145,7 +145,7 @@ class Decoding:
         # only proposers that gate on it (sam-viskip) pay for the measurement
         target.capture_image_attention(proposer.wants_image_attention)
         # and only for the prompt rows it reads (recap and tree recycling: each token's first)
-        target.keep_prompt_rows(proposer.prompt_rows)
+        target.keep_prompt_rows(proposer.rows_wanted)
         if self.cost is None and proposer.wants_cost:
             self.cost = target.verify_cost()  # None: the target has no profile, the proposer keeps its budget
         self._start = time.perf_counter()

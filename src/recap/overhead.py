@@ -232,7 +232,7 @@ class _Profiled:
         self.inner, self.profiler = inner, profiler
         self.name, self.stream_state = inner.name, inner.stream_state
         self.wants_cost, self.wants_image_attention = inner.wants_cost, inner.wants_image_attention
-        self.prompt_rows = inner.prompt_rows
+        self.rows_wanted = inner.rows_wanted
 
     def begin_request(self, prompt: PromptRows) -> None:
         self.inner.begin_request(prompt)

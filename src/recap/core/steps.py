@@ -12,7 +12,7 @@ from recap.core.cost import CostProfile
 from recap.core.tree import DraftTree
 
 RowsWanted = Literal["all", "first", "answers", "none"]
-"""Which prompt rows' Top-K a proposer reads (`Proposer.prompt_rows`), so that prefill runs
+"""Which prompt rows' Top-K a proposer reads (`Proposer.rows_wanted`), so that prefill runs
 the LM head on those alone (the last row's logits are always computed): ``all``; ``first``,
 the row at each eligible token's first occurrence (`first_eligible`: what token-keyed
 memories seed from); ``answers``, those of the ``first`` rows that lie inside the prompt's
@@ -40,7 +40,7 @@ def rows_at(topk_ids: np.ndarray, topk_logits: np.ndarray, positions: np.ndarray
     if len(ids) and ids.shape[1] and bool((ids[:, 0] == NOT_COMPUTED).any()):
         missing = np.asarray(positions)[ids[:, 0] == NOT_COMPUTED]
         raise ValueError(f"prompt rows {missing[:8].tolist()} were not computed: the proposer reads rows "
-                         "its prompt_rows did not ask for")
+                         "its rows_wanted did not ask for")
     return ids, np.asarray(topk_logits)[positions]
 
 

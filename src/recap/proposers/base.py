@@ -34,7 +34,7 @@ class Proposer(Protocol):
     """True: the loop turns the target's image-attention capture on for the request, so
     ``PromptRows.image_attention`` and ``VerifiedTree.image_attention`` carry the measurement
     (None where the prompt has no image or the target cannot capture)."""
-    prompt_rows: RowsWanted
+    rows_wanted: RowsWanted
     """Which prompt rows' Top-K (``PromptRows.topk_ids``, ``topk_logits``) the method reads:
     ``all``; ``first``, each eligible token's first occurrence (token-keyed memories seed from
     those); ``answers``, those of them inside the prompt's earlier assistant turns; ``none``.
@@ -80,7 +80,7 @@ class BaseProposer:
     Recycling's matrix, Lookahead's output trie. Benchmarks checkpoint such streams."""
     wants_cost = False
     wants_image_attention = False
-    prompt_rows: RowsWanted = "all"
+    rows_wanted: RowsWanted = "all"
     """The safe default: a method that reads the prompt's Top-K rows gets them all; those that
     read fewer say so (RECAP-paper and tree recycling ``first``, RECAP ``answers``; AR, PLD,
     SAM, lookahead and token recycling ``none``), and their prefill skips the head on the rest."""
@@ -120,4 +120,4 @@ class AutoregressiveProposer(BaseProposer):
     It runs through exactly the same loop as every drafter, which keeps timings fair."""
 
     name = "ar"
-    prompt_rows: RowsWanted = "none"
+    rows_wanted: RowsWanted = "none"

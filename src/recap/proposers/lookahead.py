@@ -22,7 +22,7 @@ from recap.proposers.base import BaseProposer
 
 class LookaheadProposer(BaseProposer):
     name = "lookahead"
-    prompt_rows = "none"
+    rows_wanted = "none"
     stream_state = True
 
     def __init__(self, *, decoding_length: int = 64, branch_length: int = 12, max_prefix: int = 2):

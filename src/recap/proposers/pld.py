@@ -15,7 +15,7 @@ from recap.proposers.base import BaseProposer
 
 class PromptLookupProposer(BaseProposer):
     name = "pld"
-    prompt_rows = "none"
+    rows_wanted = "none"
 
     def __init__(self, *, max_ngram: int = 4, max_draft: int = 10):
         self.max_ngram = max_ngram

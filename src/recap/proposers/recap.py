@@ -232,7 +232,7 @@ class RecapProposer(BaseProposer):
             self.load_memory(memory_file)
 
     @property
-    def prompt_rows(self) -> RowsWanted:
+    def rows_wanted(self) -> RowsWanted:
         """The rows U seeds from (`RecapConfig.seed_prompt`): ``first`` for ``all``,
         ``answers``, or ``none`` (the prefill runs the head on its last row alone)."""
         return SEED_PROMPT[self.config.seed_prompt]

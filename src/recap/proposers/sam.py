@@ -26,7 +26,7 @@ from recap.proposers.base import BaseProposer
 
 class SamProposer(BaseProposer):
     name = "sam"
-    prompt_rows = "none"
+    rows_wanted = "none"
 
     def __init__(self, *, alpha: float = 4.0, min_draft: int = 2, max_draft: int = 40, min_match: int = 1):
         if not 1 <= min_draft <= max_draft:

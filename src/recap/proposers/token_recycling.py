@@ -79,7 +79,7 @@ class TokenRecyclingProposer(RecyclingProposer):
 
     name = "token-recycling"
     first_wins = False
-    prompt_rows = "none"  # the paper's matrix starts from zeros and learns from verify steps only
+    rows_wanted = "none"  # the paper's matrix starts from zeros and learns from verify steps only
 
     def __init__(self, *, template: str | PathLike | StaticTreeTemplate | None = None, top_k: int = 8):
         super().__init__(template if isinstance(template, StaticTreeTemplate) else load_template(template), top_k)

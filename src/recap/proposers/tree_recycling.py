@@ -32,7 +32,7 @@ class TreeRecyclingProposer(RecyclingProposer):
 
     name = "tree-recycling"
     first_wins = True
-    prompt_rows = "first"  # seeded from each eligible prompt token's first row
+    rows_wanted = "first"  # seeded from each eligible prompt token's first row
 
     def __init__(self, *, width: int = 2, depth: int = 4, top_k: int = 4):
         if not 1 <= width <= top_k:

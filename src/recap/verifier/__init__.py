@@ -13,7 +13,9 @@ from typing import Any
 import torch
 
 from recap.errors import InputError
-from recap.verifier.base import MeasuringSession, ModelInputs, TargetModel
+from recap.verifier.base import TargetModel
+from recap.verifier.inputs import ModelInputs
+from recap.verifier.profile import MeasuringSession
 from recap.verifier.protocol import BaseTarget, Target
 from recap.verifier.vision_language import LlavaTarget, QwenVLTarget
 

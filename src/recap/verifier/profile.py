@@ -8,7 +8,7 @@ one line and measured again: a bad cache file must never stop a generation.
 
 Timings follow what one decode step pays: ``verify(root, tree)`` plus ``commit([])`` after a
 synthetic prompt of L tokens, in a measuring session the target provides
-(`TargetModel.measuring`): it restores its cache after every measurement, so each one sees
+(`measuring`): it restores its cache after every measurement, so each one sees
 the same context length, and the profiler never edits the target's state itself.
 """
 
@@ -25,7 +25,8 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,12 +38,13 @@ from recap.core.tree import ROOT, DraftTree
 from recap.errors import InputError
 from recap.machine import cpu_model
 from recap.paths import cache_dir
+from recap.verifier.inputs import ModelInputs
 from recap.verifier.kernels import KERNELS_REVISION, linear
 from recap.verifier.kernels.linear import ROW_BLOCK
 from recap.verifier.kernels.threads import check_read_back, read_back
 
 if TYPE_CHECKING:
-    from recap.verifier.base import MeasuringSession, TargetModel
+    from recap.verifier.base import TargetModel
 
 DEFAULT_CONTEXTS = (128, 1024)
 """Context lengths measured: two, so the growth of t(N) with the cached prefix is known."""
@@ -190,7 +192,7 @@ def measure_times(target: TargetModel, sizes: Sequence[int], contexts: Sequence[
     total, done = len(contexts) * len(sizes) * repeats, 0
     device = target.device
     for c, context in enumerate(contexts):
-        with target.measuring(rng.choice(pool, context)) as session:
+        with measuring(target, rng.choice(pool, context)) as session:
             if warmup and c == 0:  # first calls pay for allocations and kernel selection
                 for n in dict.fromkeys((sizes[0], sizes[len(sizes) // 2], sizes[-1])):
                     _time_step(session, trees[n], device)
@@ -286,3 +288,45 @@ def resolve_profile(target: TargetModel, spec: str | os.PathLike | CostProfile |
 
 def _one_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+@dataclass
+class MeasuringSession:
+    """Decode steps over a fixed prefix (`measuring`): each ``step`` is what one
+    decode step pays the target, ``restore`` puts the cache back to the prefix, outside the
+    timed part."""
+
+    target: TargetModel
+    root: int
+    """The token after the prefix (prefill's first token): every step's root."""
+    context_len: int
+    """Tokens cached before every step."""
+
+    def step(self, tree: DraftTree) -> None:
+        """``verify(root, tree)`` then ``commit([])`` (the root's KV entry is kept, as in decoding)."""
+        if self.target.past_len != self.context_len:
+            raise RuntimeError("restore() the session before the next step")
+        self.target.verify(self.root, tree)
+        self.target.commit([])
+
+    def restore(self) -> None:
+        """Back to ``context_len`` cached tokens, so every step sees the same context."""
+        self.target.lane.truncate(self.context_len)
+
+
+@contextlib.contextmanager
+def measuring(target: TargetModel, prompt: Sequence[int] | np.ndarray) -> Iterator[MeasuringSession]:
+    """A session for timing decode steps after ``prompt`` (token ids, no image): its KV cache is
+    prefilled, image-attention capture is off (the stock attention path is what is timed), and
+    on leaving the cache is freed and the capture restored. The cache is the target's own
+    business: the profiler only calls the session's ``step`` and ``restore``."""
+    capturing = target.capture is not None and target.capture.enabled
+    target.capture_image_attention(False)
+    try:
+        ids = torch.from_numpy(np.asarray(prompt, dtype=np.int64).reshape(1, -1))
+        _, root = target.prefill(ModelInputs(input_ids=ids))
+        yield MeasuringSession(target, root, target.past_len)
+    finally:
+        target.release()
+        if capturing:
+            target.capture_image_attention(True)

@@ -6,10 +6,15 @@ placeholders, and (Qwen) the position offset. Verification itself is shared.
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 import torch
 from PIL import Image
 
-from recap.verifier.base import Message, ModelInputs, TargetModel
+from recap.verifier.base import TargetModel
+from recap.verifier.image_attention import ImageAttentionCapture
+from recap.verifier.inputs import Message, ModelInputs, encode_images
 
 
 def with_image(messages: list[Message], image: Image.Image | None) -> list[Message]:
@@ -27,7 +32,38 @@ def with_image(messages: list[Message], image: Image.Image | None) -> list[Messa
 
 
 class _VisionLanguageTarget(TargetModel):
+    """What every vision-language family shares: prompts with an image, the image
+    placeholder token, the vision tower run apart (`encode_images`) and the capture of the
+    attention on the image (SAM+ViSkip)."""
+
     accepts_images = True
+
+    def __init__(self, model: torch.nn.Module, processor: Any, **options: Any):
+        super().__init__(model, processor, **options)
+        self.image_token = getattr(model.config, "image_token_id", None)
+        self.encode_lock = threading.Lock()
+        """One image encode at a time on this model (`recap.verifier.inputs.encode_images`)."""
+
+    def capture_image_attention(self, enabled: bool = True) -> bool:
+        """Turn on (or off) the measurement of the attention mass on the prompt's image tokens
+        (`recap.verifier.image_attention`), reported by prefill and verify as ``image_attention``.
+        Returns whether it is on (a text-only model or an unsupported attention cannot)."""
+        if not enabled or self.image_token is None:
+            if self.capture is not None:
+                self.capture.disable()
+            return False
+        if self.capture is None:
+            self.capture = ImageAttentionCapture.for_model(self.model)
+        return self.capture is not None and self.capture.enable()
+
+    def encode_images(self, inputs: ModelInputs) -> ModelInputs:
+        """Run the vision tower of an image prompt now (`recap.verifier.inputs.encode_images`),
+        so the decoding thread only prefills the language rows, in chunks beside the running
+        requests. Text prompts, the stock kernels and prepared inputs pass through."""
+        if inputs.language is not None or not inputs.has_image or self.kernels != "fast" \
+                or inputs.positions is not None:
+            return inputs
+        return encode_images(self, inputs)
 
     def _build_inputs(self, messages: list[Message], image: Image.Image | None) -> ModelInputs:
         text = self.processor.apply_chat_template(with_image(messages, image), add_generation_prompt=True,
@@ -53,12 +89,12 @@ class QwenVLTarget(_VisionLanguageTarget):
         names = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
         return [int(getattr(config, n)) for n in names if getattr(config, n, None) is not None]
 
-    def _prompt_positions(self, inputs: ModelInputs) -> tuple[torch.Tensor, int]:
+    def prompt_positions(self, inputs: ModelInputs) -> tuple[torch.Tensor, int]:
         extra = inputs.extra
         if inputs.positions is not None:  # (3, 1, P) M-RoPE positions from generate()
             return inputs.positions.to(self.device), int(inputs.positions.max()) + 1 - inputs.input_ids.shape[1]
         if extra.get("image_grid_thw") is None:
-            return super()._prompt_positions(inputs)
+            return super().prompt_positions(inputs)
         positions, deltas = self.model.model.get_rope_index(
             inputs.input_ids, mm_token_type_ids=extra["mm_token_type_ids"], image_grid_thw=extra["image_grid_thw"],
             attention_mask=extra.get("attention_mask"))

@@ -19,11 +19,14 @@ import numpy as np
 import torch
 
 from recap.core import NOT_COMPUTED, ROWS_WANTED
+from recap.verifier import acceptance
 from recap.verifier.kernels.cache import KVCache
+from recap.verifier.prompt_rows import no_prompt_rows
 
 if TYPE_CHECKING:
     from recap.core import PromptRows, RowsWanted
-    from recap.verifier.base import LanguageInputs, TargetModel
+    from recap.verifier.fast import FastLane
+    from recap.verifier.inputs import LanguageInputs
     from recap.verifier.sampling import Sampler
 
 PREFILL_CHUNK = 64
@@ -140,28 +143,26 @@ class ChunkedPrefill:
     the last one (`logit_rows`); `PromptRows` carries the others as `recap.core.NOT_COMPUTED`
     (empty arrays for none)."""
 
-    def __init__(self, lane: TargetModel, prompt: np.ndarray, language: LanguageInputs | None = None):
+    def __init__(self, lane: FastLane, prompt: np.ndarray, rows_kept: RowsWanted = "all",
+                 language: LanguageInputs | None = None):
         self.lane, self.prompt, self.language = lane, prompt, language
-        lane.position_offset = 0 if language is None else language.rope_offset
-        lane._image_positions = None if language is None or lane._image_token is None else \
-            torch.from_numpy(np.flatnonzero(prompt == lane._image_token))
+        target = lane.target
+        image_token = target.image_token
+        lane.start_prompt(len(prompt), 0 if language is None else language.rope_offset,
+                          None if language is None or image_token is None else np.flatnonzero(prompt == image_token))
         self._image_attention: float | None = None
-        lane._packed = 0
-        self.rows_kept: RowsWanted = lane._prompt_rows
+        self.rows_kept = rows_kept
         """Which prompt rows' Top-K are computed (`recap.core.RowsWanted`; the last row always)."""
-        lane._prompt_rows = "all"  # the request's choice is spent: a later prefill keeps them all unless told
-        picked = lane.wanted_rows(prompt, self.rows_kept)
+        picked = target.wanted_positions(prompt, rows_kept)
         self._wanted = np.ones(len(prompt), bool)
         """Per prompt position: whether its row's logits are computed."""
         if picked is not None:
             self._wanted[:] = False
             self._wanted[picked] = True
-        width = lane.top_k
+        width = target.top_k
         self._ids = np.full((len(prompt), width), NOT_COMPUTED, np.int64)
         self._logits = np.full((len(prompt), width), -np.inf, np.float32)
         """(P, K) the Top-K rows so far (copied from the prefix cache or computed)."""
-        lane._kv = lane._fast.new_cache(len(prompt) + 256)
-        lane.past_len = 0
         self._shareable = len(prompt) if language is None else language.first_image_row
         """Rows another prompt with the same tokens has too (an image's rows are not: its
         placeholder tokens are the same for every image)."""
@@ -177,13 +178,12 @@ class ChunkedPrefill:
             return
         self._looked_up = True
         lane = self.lane
-        reused, entry = lane.prefix_cache.lookup(self.prompt, min(len(self.prompt) - 1, self._shareable),
-                                                 lane.prefix_scope, rows=self.rows_kept)
+        reused, entry = lane.runner.prefix_cache.lookup(self.prompt, min(len(self.prompt) - 1, self._shareable),
+                                                        lane.target.prefix_scope, rows=self.rows_kept)
         if reused:
-            lane._kv.load(entry.keys[:, :, :reused], entry.values[:, :, :reused], reused)
+            lane.load_prefix(entry.keys[:, :, :reused], entry.values[:, :, :reused], reused)
             if entry.topk_ids is not None:
                 self._ids[:reused], self._logits[:reused] = entry.topk_ids[:reused], entry.topk_logits[:reused]
-            lane.past_len = reused
 
     @property
     def finished(self) -> bool:
@@ -228,30 +228,31 @@ class ChunkedPrefill:
         Top-K rows, and at the end the last row's logits (and, with SAM+ViSkip's capture on,
         its attention on the image). The rows so far go into the prefix cache (a longer entry
         of the same prompt replaces a shorter one)."""
-        lane, kv = self.lane, self.lane._kv
+        lane = self.lane
         done = lane.past_len
-        kv.commit(range(self._chunk))
-        lane.past_len = kv.length
-        capture = lane._capture
-        if self.finished and capture is not None and capture.enabled and lane._image_positions is not None:
-            self._image_attention = lane._fast.root_image_attention(
-                kv, lane._image_positions.numpy(), first_row + self._chunk - 1, keys=kv.length)
+        lane.keep_chunk(self._chunk)
+        kv = lane.kv
+        capture = lane.target.capture
+        if self.finished and capture is not None and capture.enabled and lane.image_positions is not None:
+            self._image_attention = lane.decoder.root_image_attention(
+                kv, lane.image_positions, first_row + self._chunk - 1, keys=kv.length)
         picked = np.flatnonzero(self._wanted[done:done + self._chunk])  # the rows computed (the last always)
         if len(picked):
-            top_ids, top_logits, argmax = lane._top_rows(torch.from_numpy(logits[picked]))
+            top_ids, top_logits, argmax = acceptance.top_rows(torch.from_numpy(logits[picked]), lane.target.top_k)
             self._ids[done + picked], self._logits[done + picked] = top_ids, top_logits
             if self.finished:
                 self._last, self._greedy = torch.from_numpy(logits[-1].copy()), int(argmax[-1])
         shared = min(lane.past_len, self._shareable)
         if done < self._shareable:  # this chunk added shareable rows
-            lane.prefix_cache.store(self.prompt[:shared], kv, self._ids[:shared], self._logits[:shared],
-                                    lane.prefix_scope, self.rows_kept)
+            lane.runner.prefix_cache.store(self.prompt[:shared], kv, self._ids[:shared], self._logits[:shared],
+                                           lane.target.prefix_scope, self.rows_kept)
 
     def result(self, sampler: Sampler | None = None) -> tuple[PromptRows, int]:
         """What ``prefill`` returns: the prompt's rows and the first token."""
         first = self._greedy if sampler is None else sampler.token(self._last, 0)
+        target = self.lane.target
         if self.rows_kept == "none":
-            ids, logits = self.lane.no_prompt_rows()
+            ids, logits = no_prompt_rows(target.top_k)
         else:
             ids, logits = self._ids, self._logits
-        return self.lane.prompt_rows(self.prompt, ids, logits, self._image_attention), first
+        return target.report_prompt(self.prompt, ids, logits, self._image_attention), first
