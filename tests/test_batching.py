@@ -6,6 +6,7 @@ budget (`share_budget`) is checked against brute force."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import numpy as np
@@ -273,20 +274,20 @@ def _u_keys(proposer) -> set[int]:
     return set(keys.tolist())
 
 
-@pytest.mark.parametrize("replayed", [True, False], ids=["fork", "fork without replay (negative control)"])
-def test_a_request_overlapping_another_of_its_stream_teaches_the_stream(smollm2, monkeypatch, replayed):
+@pytest.mark.parametrize("shared", [True, False], ids=["fork", "fork on a private copy (negative control)"])
+def test_a_request_overlapping_another_of_its_stream_teaches_the_stream(smollm2, monkeypatch, shared):
     """Two requests of one RECAP stream in one batch (the second on `fork_request`): the
     stream's token memory ends up holding the rows of both, as after running them in turn.
-    Both seed U from every prompt row (``seed_prompt="all"``), so the forked request's
-    journal carries seeding writes as well as the rows of its verified trees (which differ
-    from the sequential run's where the shared budget sized them otherwise)."""
+    Both seed U from every prompt row (``seed_prompt="all"``), so the forked request writes
+    seeding rows as well as the rows of its verified trees (which differ from the sequential
+    run's where the shared budget sized them otherwise) into the U it shares with the stream."""
     prompts = ["Name three rivers of Africa.", "Write four words that rhyme with cat."]
     cases = [smollm2.prepare(p) for p in prompts]
     sequential = make_proposer("recap", seed_prompt="all")
     for inputs in cases:
         decode(smollm2.fork(), sequential, inputs, max_new_tokens=12)
-    if not replayed:
-        monkeypatch.setattr(type(sequential), "_replay", lambda self, journal, vocab: None)
+    if not shared:  # a fork that learns on a copy of the stream, as `BaseProposer.fork_request` does
+        monkeypatch.setattr(type(sequential), "fork_request", lambda self: copy.deepcopy(self))
     stream = make_proposer("recap", seed_prompt="all")
     decode(smollm2, stream, smollm2.prepare("Say hello."), max_new_tokens=2)  # the stream exists
     seen_before = _u_keys(stream)
@@ -299,7 +300,7 @@ def test_a_request_overlapping_another_of_its_stream_teaches_the_stream(smollm2,
     assert batch.peak_running == 2
     learned = _u_keys(sequential) - seen_before
     missing = learned - _u_keys(stream)
-    if replayed:
+    if shared:
         assert not missing
     else:
         assert missing, "the negative control lost nothing: the test cannot tell"

@@ -349,3 +349,60 @@ def test_repeated_ids_in_a_loaded_row_become_one_child_in_the_engine_and_the_ora
     for parent in set(builder.parents):
         children = [t for t, p in zip(builder.tokens, builder.parents) if p == parent]
         assert len(children) == len(set(children))
+
+
+def test_overlapping_requests_share_u_and_keep_their_own_c_and_g():
+    """Request keys (`MAIN` and a fork's): U and the pool are shared, C and G are each
+    request's own; ending one request forgets its C and G only, and the compaction that
+    follows keeps (and remaps) the rows the other request's maps alone still point at."""
+    from recap.core.fast import MAIN
+
+    memory = FastMemory(vocab_size=64, top_k=2)
+    rng = np.random.default_rng(0)
+
+    def rows(n):
+        return rng.integers(0, 64, (n, 2)), rng.normal(size=(n, 2)).astype(np.float32)
+
+    memory.refresh((20, 21, 12), np.array([13, 24]), np.array([-1, 0]), *rows(3))
+    memory.refresh((10, 11, 12), np.array([13]), np.array([-1]), *rows(2), request=1)  # U[12], U[13] rewritten
+    assert memory.counts(MAIN) == (3, 3, 3) and memory.counts(1) == (3, 2, 2)
+    assert set(memory.table("bigram", 1)) == {(11, 12), (12, 13)}
+    assert set(memory.table("bigram")) == {(21, 12), (12, 13), (13, 24)}
+    mine = {name: memory.table(name) for name in ("unigram", "bigram", "trigram")}
+    memory.end_request(1)  # its rows stay U's; the stream's rows of 12 and 13 only its C and G hold
+    assert memory.counts(1) == (3, 0, 0) and memory.pool_rows[0] == 5
+    assert {name: memory.table(name) for name in ("unigram", "bigram", "trigram")} == mine
+    tree = memory.build_tree((21, 12, 13), 8, 3, 2, 2, np.ones(4), np.array([0.7, 0.2, 0.1]))
+    assert len(tree[0])  # the stream still drafts from its own C and G
+    memory.reset_request(MAIN)
+    assert memory.counts(MAIN) == (3, 0, 0) and memory.pool_rows[0] == 3  # what only its maps held went
+
+
+def test_a_forked_request_drafts_from_its_own_c_and_g_and_teaches_the_stream_u():
+    """`RecapProposer.fork_request`: the fork and the stream share one memory; the fork's
+    step rows land in U at once (no replay at its end) and in C / G under its own key, so
+    the stream's request neither drafts from nor holds them; the fork's end drops its C / G."""
+    rng = np.random.default_rng(1)
+    vocab = 40
+
+    def prompt(ids):
+        ids = np.asarray(ids, dtype=np.int64)
+        return PromptRows(ids=ids, topk_ids=rng.integers(0, vocab, (len(ids), 4)),
+                          topk_logits=rng.normal(size=(len(ids), 4)).astype(np.float32),
+                          eligible=np.ones(len(ids), bool), vocab_size=vocab, excluded_tokens=frozenset())
+
+    stream = RecapPaperProposer()
+    stream.begin_request(prompt([1, 2, 3]))
+    fork = stream.fork_request()
+    fork.begin_request(prompt([4, 5, 6]))
+    assert fork.memory is stream.memory and fork.request.key != stream.request.key
+    history = [4, 5, 6, 7]
+    tree = fork.propose(history)
+    n = len(tree)
+    fork.observe(VerifiedTree(tree=tree, topk_ids=rng.integers(0, vocab, (n + 1, 4)),
+                              topk_logits=rng.normal(size=(n + 1, 4)).astype(np.float32),
+                              argmax=np.zeros(n + 1, dtype=np.int64), accepted=[]))
+    u, c, g = fork.memory_counts()
+    assert c > 0 and g > 0 and stream.memory_counts() == (u, 0, 0) and (7,) in stream.memory.table("unigram")
+    fork.end_request()
+    assert stream.memory.counts(fork.request.key) == (u, 0, 0) and (7,) in stream.memory.table("unigram")

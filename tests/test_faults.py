@@ -513,3 +513,23 @@ def test_the_first_cost_aware_call_says_what_it_measures_and_where(tmp_path, mon
     said = [str(w.message) for w in caught if "verify cost" in str(w.message)]
     assert len(said) == 1 and str(tmp_path / "profiles") in said[0] and "RECAP_CACHE" in said[0]
     assert "cost_profile=" in said[0] and len(list((tmp_path / "profiles").iterdir())) == 1
+
+
+def test_a_memory_files_metadata_is_read_from_its_header_alone(tmp_path):
+    """`persistence.file_metadata` (what a server reads a tenant file's version with): the
+    saved fields back; a truncated or garbled header is a ValueError (damage), a missing file
+    FileNotFoundError."""
+    from recap.core.persistence import file_metadata, save_token_memory
+
+    path = tmp_path / "m.safetensors"
+    save_token_memory(path, np.array([3], np.int64), np.array([[4, 5]], np.int64), np.array([[0.6, 0.4]]),
+                      vocab_size=10, metadata={"recap_revision": "7"})
+    fields = file_metadata(path)
+    assert fields["recap_revision"] == "7" and fields["vocab_size"] == "10"
+    data = path.read_bytes()
+    for damaged in (data[:5], data[:8] + b"{not json", (2**40).to_bytes(8, "little") + data[8:]):
+        path.write_bytes(damaged)
+        with pytest.raises(ValueError):
+            file_metadata(path)
+    with pytest.raises(FileNotFoundError):
+        file_metadata(tmp_path / "absent.safetensors")

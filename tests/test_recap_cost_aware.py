@@ -321,7 +321,7 @@ def test_recap_remembers_exactly_the_returned_tokens(tiny_llama, cut):
     assert second.cut_inside_path == (cut == "eos")
     assert proposer.store.outputs[-1] == second.tokens
     assert len(proposer.store.outputs) == 2
-    assert proposer.automaton.tokens == inputs.prompt_ids + second.tokens
+    assert proposer.request.automaton.tokens == inputs.prompt_ids + second.tokens
 
 
 # ----------------------------------------------------------------------------- long continuations
@@ -336,12 +336,12 @@ def test_a_failing_recycled_correction_leaves_a_stored_answer_drafted(tiny_llama
 
     def begin(prompt):
         original(prompt)
-        proposer._request_expected = 1000.0
+        proposer.request.expected = 1000.0
 
     proposer.begin_request = begin
     result = decode(tiny_llama, proposer, inputs, max_new_tokens=20, cost=PROFILE)
     assert result.tokens == reference[:20]
-    assert proposer._factor < 0.01
+    assert proposer.request.factor < 0.01
     assert_drafted(result, min_accepted=10)
 
 
@@ -357,7 +357,7 @@ def test_a_short_match_into_a_trusted_copy_offers_more_than_sams_cap(tiny_llama)
 
     def candidates(history, room=None):
         found = original(history, room)
-        matches.append(proposer._store_match.length)
+        matches.append(proposer.request.store_match.length)
         return found
 
     proposer.candidates = candidates
@@ -427,7 +427,7 @@ def test_nodes_past_eos_teach_the_calibration_nothing():
     probs, cells, _ = proposer.calibrator.continuation(REQUEST, 20, np.arange(1, 6))
     candidates = Candidates([], [], [], [], [])
     candidates.add_chain([5, 6, 7, 8, 9], probs, cells)
-    tree, proposer._pending = choose(candidates, None, 0)
+    tree, proposer.request.pending = choose(candidates, None, 0)
     rows = len(tree) + 1
 
     def verified(kept):

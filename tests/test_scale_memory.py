@@ -276,8 +276,7 @@ def test_a_transient_read_error_refuses_the_request_and_keeps_the_newer_file(tmp
     request reloads the file."""
     import errno
 
-    import safetensors
-
+    from recap.serve import shared
     from recap.serve.tenants import MemoryUnavailable
 
     target = load_target("tiny-llama")
@@ -285,15 +284,15 @@ def test_a_transient_read_error_refuses_the_request_and_keeps_the_newer_file(tmp
     b = SharedTenantStreams("recap", target.vocab_size, tmp_path, 4096)
     engine_a, engine_b = Engine(target, a, max_batch=1), Engine(target, b, max_batch=1)
     path = tmp_path / "t.safetensors"
-    real, failing = safetensors.safe_open, []
+    real, failing = shared.file_metadata, []
 
-    def safe_open(*args, **kwargs):
+    def file_metadata(*args, **kwargs):  # the header read (`recap.core.persistence.file_metadata`)
         if failing:
             failing.pop()
             raise OSError(errno.EIO, "Input/output error")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(safetensors, "safe_open", safe_open)
+    monkeypatch.setattr(shared, "file_metadata", file_metadata)
     try:
         a.hold("t")  # no file yet: A's copy is an empty stream at version 0
         a.release("t")

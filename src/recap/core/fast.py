@@ -11,14 +11,18 @@ depth), bit for bit.
 A *row* is the target's Top-K at one evaluated position: token ids (highest first), their
 probabilities renormalised over the K kept logits, and the confidence exp(-entropy) that
 fusion needs. U (1-token keys) persists across the requests of a stream; C (2-token) and G
-(3-token) are request-local. Each key keeps its most recently written row; within one
-verification batch the first occurrence of a key wins.
+(3-token) are request-local, kept per request key (`MAIN`, the stream's own request, or an
+overlapping request's), the way SuffixDecoding keeps one tree per request beside its global
+one: requests of one stream that overlap share U and the pool, each with its own C and G. Each
+key keeps its most recently written row; within one verification batch the first occurrence
+of a key wins.
 
 Storage: a row pool (`Pool`: ``ids`` int64 [R, K], ``probs`` float64 [R, K], ``confidence``
 float64 [R], ``length`` int64 [R]) and three numba typed dicts mapping an int64 key to a pool
 row: U key ``x``, C key ``v * V + x``, G key ``(u * V + v) * V + x`` (V = vocabulary size).
-Rows whose keys were all overwritten stay in the pool as garbage until ``reset_request``
-compacts the pool (in place) to the rows U still references; within a request the pool
+Rows whose keys were all overwritten stay in the pool as garbage until ``reset_request`` or
+``end_request`` compacts the pool (in place) to the rows U and the live requests' maps still
+reference; within a request the pool
 doubles when full, so it holds at most U's rows at the request start plus one row per position
 the request evaluated (the order of C and G's own growth). A compaction that leaves the pool
 less than a quarter full shrinks it to twice the live rows (at least 256), so a stream that
@@ -69,6 +73,9 @@ _COMPENSATED_SUM = sys.version_info >= (3, 12)
 """CPython's builtin ``sum`` over floats is Neumaier-compensated from 3.12 on (gh-100425)."""
 _MAX_VOCAB = 2_097_151  # V**3 must fit an int64 G key
 _MIN_ROWS = 256
+MAIN = 0
+"""The request key of a stream's own request; an overlapping one has a key of its own
+(`RecapProposer.fork_request`)."""
 _NO_EXCLUSION = np.zeros(0, dtype=np.bool_)
 
 
@@ -266,13 +273,10 @@ def _remap(table, new_index):
 
 
 @njit(cache=True)
-def _compact(unigram, bigram, trigram, pool, n_rows):
-    """Move the referenced rows to the front of the pool, in order (in place). Returns their count."""
+def _move_rows(pool, used, n_rows):
+    """Move the rows marked ``used`` to the front of the pool, in order (in place). Returns
+    (their new index, -1 for the others; their count)."""
     pool = Pool(*pool)
-    used = np.zeros(n_rows, np.bool_)
-    _mark(unigram, used)
-    _mark(bigram, used)
-    _mark(trigram, used)
     new_index = np.empty(n_rows, np.int64)
     live = 0
     for r in range(n_rows):
@@ -286,11 +290,7 @@ def _compact(unigram, bigram, trigram, pool, n_rows):
             live += 1
         else:
             new_index[r] = -1
-    if live != n_rows:
-        _remap(unigram, new_index)
-        _remap(bigram, new_index)
-        _remap(trigram, new_index)
-    return live
+    return new_index, live
 
 
 @njit(cache=True)
@@ -636,42 +636,59 @@ class FastMemory:
                           np.zeros(_MIN_ROWS, dtype=np.float64), np.zeros(_MIN_ROWS, dtype=np.int64))
         self._n_rows = 0
         self.unigram = _new_map()
-        self.bigram = _new_map()
-        self.trigram = _new_map()
+        self._contexts: dict[int, tuple] = {}
+        """Request key -> (C, G) of that request (`MAIN`: the stream's own)."""
+
+    def _maps(self, request: int) -> tuple:
+        """(C, G) of ``request``, empty ones for a request not seen yet."""
+        maps = self._contexts.get(request)
+        if maps is None:
+            maps = self._contexts[request] = (_new_map(), _new_map())
+        return maps
 
     # -------------------------------------------------------------- lifecycle
-    def reset_request(self) -> None:
-        """Clear C and G; compact the pool to the rows U still references."""
-        if len(self.bigram):
-            self.bigram = _new_map()
-        if len(self.trigram):
-            self.trigram = _new_map()
+    def reset_request(self, request: int = MAIN) -> None:
+        """Clear ``request``'s C and G; compact the pool to the rows still referenced (by U and
+        the other requests' maps)."""
+        if request in self._contexts and any(len(table) for table in self._contexts[request]):
+            self._contexts[request] = (_new_map(), _new_map())
+        self._compact()
+
+    def end_request(self, request: int) -> None:
+        """Forget ``request``'s C and G (an overlapping request that ended) and compact."""
+        self._contexts.pop(request, None)
+        self._compact()
+
+    def _compact(self) -> None:
+        tables = [self.unigram, *(table for maps in self._contexts.values() for table in maps)]
         if self._n_rows > len(self.unigram):
-            self._n_rows = _compact(self.unigram, self.bigram, self.trigram, tuple(self._pool), self._n_rows)
+            used = np.zeros(self._n_rows, np.bool_)
+            for table in tables:
+                _mark(table, used)
+            new_index, live = _move_rows(tuple(self._pool), used, self._n_rows)
+            if live != self._n_rows:
+                for table in tables:
+                    _remap(table, new_index)
+            self._n_rows = live
         self._shrink()
 
     def reset_stream(self) -> None:
+        """Forget U and every request's C and G."""
         self.unigram = _new_map()
-        self.bigram = _new_map()
-        self.trigram = _new_map()
+        self._contexts.clear()
         self._n_rows = 0
         self._shrink()
 
-    def snapshot(self) -> FastMemory:
-        """A copy of U (the pool and the unigram map), with empty C and G: what a request that
-        overlaps another of the same stream drafts from."""
+    def __deepcopy__(self, memo: dict) -> FastMemory:
+        """A copy of everything, every request's C and G included (numba's typed maps cannot
+        be pickled, which `copy.deepcopy` would do): a deep copy of a stream (the server's
+        throwaway copy for a request its memory already holds, `recap.serve.shared`) drafts
+        exactly as the stream."""
         copy = FastMemory(self.vocab_size, self.top_k)
         copy._pool = Pool(*(array.copy() for array in self._pool))
         copy._n_rows = self._n_rows
         copy.unigram = self.unigram.copy()
-        return copy
-
-    def __deepcopy__(self, memo: dict) -> FastMemory:
-        """A copy of everything, C and G included (numba's typed maps cannot be pickled, which
-        `copy.deepcopy` would do): a deep copy of a stream (the server's throwaway copy for a
-        request its memory already holds, `recap.serve.shared`) drafts exactly as the stream."""
-        copy = self.snapshot()
-        copy.bigram, copy.trigram = self.bigram.copy(), self.trigram.copy()
+        copy._contexts = {key: (bigram.copy(), trigram.copy()) for key, (bigram, trigram) in self._contexts.items()}
         memo[id(self)] = copy
         return copy
 
@@ -727,10 +744,11 @@ class FastMemory:
         self._n_rows = n_rows
 
     def refresh(self, context: Sequence[int], tree_tokens: np.ndarray, tree_parents: np.ndarray,
-                topk_ids: np.ndarray, topk_logits: np.ndarray, contextual: bool = True) -> None:
+                topk_ids: np.ndarray, topk_logits: np.ndarray, contextual: bool = True, *,
+                request: int = MAIN) -> None:
         """Store the rows of every packed position (root = ``context[2]`` at 0, node i at
-        i + 1), accepted and rejected, under its path context; first occurrence in the batch wins;
-        ``contextual=False`` writes U only."""
+        i + 1), accepted and rejected, under its path context, in U and ``request``'s C and G;
+        first occurrence in the batch wins; ``contextual=False`` writes U only."""
         u, v, x = (int(t) for t in context)
         tokens = np.ascontiguousarray(tree_tokens, dtype=np.int64).reshape(-1)
         parents = np.ascontiguousarray(tree_parents, dtype=np.int64).reshape(-1)
@@ -741,7 +759,8 @@ class FastMemory:
         if n != len(tokens) + 1:
             raise ValueError(f"{n} Top-K rows for {len(tokens) + 1} packed positions")
         self._reserve(n)
-        n_rows = _refresh(self.unigram, self.bigram, self.trigram, tuple(self._pool), self._n_rows, self.vocab_size,
+        bigram, trigram = self._maps(request)
+        n_rows = _refresh(self.unigram, bigram, trigram, tuple(self._pool), self._n_rows, self.vocab_size,
                           (u, v, x), (tokens, parents), rows, bool(contextual))
         if n_rows < 0:
             raise ValueError(f"context and tree tokens must lie in [0, {self.vocab_size}) and parents must be "
@@ -751,8 +770,10 @@ class FastMemory:
     # -------------------------------------------------------------- drafting
     def build_tree(self, context: Sequence[int], budget: int, max_depth: int, width: int, top_k: int,
                    etas: np.ndarray, priors: np.ndarray, mode: int | str = 0,
-                   excluded: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """RECAP's best-first tree: (tokens, parents, depths, q), parents before children;
+                   excluded: np.ndarray | None = None, *,
+                   request: int = MAIN) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """RECAP's best-first tree from U and ``request``'s C and G: (tokens, parents, depths,
+        q), parents before children;
         ``q[i]`` is the fused probability of node i's token under its parent's context.
 
         ``etas[d]`` is the depth prior of depth d (``etas[0]`` unused; at least ``max_depth + 1``
@@ -771,7 +792,8 @@ class FastMemory:
             raise ValueError("top_k, width and max_depth must be at least 1")
         mask = _NO_EXCLUSION if excluded is None else np.asarray(excluded, dtype=np.bool_)
         fusion = (int(top_k), int(width), fusion_code(mode), priors, mask)  # a `Fusion`
-        return _build_tree(self.unigram, self.bigram, self.trigram, tuple(self._pool), self.vocab_size, (u, v, x),
+        bigram, trigram = self._maps(request)
+        return _build_tree(self.unigram, bigram, trigram, tuple(self._pool), self.vocab_size, (u, v, x),
                            int(budget), int(max_depth), etas, fusion)
 
     # -------------------------------------------------------------- persistence
@@ -800,9 +822,10 @@ class FastMemory:
         self._n_rows = n_rows
 
     # -------------------------------------------------------------- inspection
-    def counts(self) -> tuple[int, int, int]:
-        """Entries in (U, C, G)."""
-        return len(self.unigram), len(self.bigram), len(self.trigram)
+    def counts(self, request: int = MAIN) -> tuple[int, int, int]:
+        """Entries in (U, C, G) of ``request``."""
+        bigram, trigram = self._contexts.get(request, ((), ()))
+        return len(self.unigram), len(bigram), len(trigram)
 
     def drop_unigram(self, keys) -> None:
         """Forget U's rows of ``keys`` (eviction); their pool slots are reclaimed at the next
@@ -813,7 +836,8 @@ class FastMemory:
                 del self.unigram[key]
 
     def __len__(self) -> int:
-        return sum(self.counts())
+        """Entries in U and every request's C and G."""
+        return len(self.unigram) + sum(len(table) for maps in self._contexts.values() for table in maps)
 
     def nbytes(self) -> int:
         """Bytes held: the row pool as allocated plus ~32 bytes per map entry (numba dict:
@@ -825,10 +849,12 @@ class FastMemory:
         """(rows in use, garbage included; capacity)."""
         return self._n_rows, len(self._pool.confidence)
 
-    def table(self, name: str) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[float, ...], float]]:
+    def table(self, name: str,
+              request: int = MAIN) -> dict[tuple[int, ...], tuple[tuple[int, ...], tuple[float, ...], float]]:
         """One map as a plain dict shaped like the reference memory's (``unigram`` keys are 1-tuples
         here): key tokens -> (ids, probs, confidence). For tests and debugging; slow."""
-        table = {"unigram": self.unigram, "bigram": self.bigram, "trigram": self.trigram}[name]
+        bigram, trigram = self._contexts.get(request, (_new_map(), _new_map()))
+        table = {"unigram": self.unigram, "bigram": bigram, "trigram": trigram}[name]
         vocab = self.vocab_size
         out = {}
         for key in _keys_of(table).tolist():

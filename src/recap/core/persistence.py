@@ -323,6 +323,20 @@ def safetensors_metadata(data: bytes) -> dict[str, str]:
     return metadata
 
 
+def file_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The string metadata of the safetensors file at ``path``, from its header alone (no
+    tensor is read). `FileNotFoundError` / `OSError` as the read raises them; `ValueError` for
+    a header that is not a safetensors one (damage)."""
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise ValueError("shorter than a safetensors header")
+        length = int.from_bytes(prefix, "little")
+        if length > 100_000_000:  # safetensors' own bound on a header
+            raise ValueError("a header longer than safetensors allows")
+        return safetensors_metadata(prefix + handle.read(length))
+
+
 def parse_count(text: str) -> int:
     """A decimal count written by this module: ASCII digits only (``int`` also takes ``"²"``'s
     kin, spaces and underscores)."""

@@ -102,7 +102,7 @@ class BaseProposer:
 
     def fork_request(self) -> Proposer:
         """A copy of the stream as it is now: what the overlapping request learns is not kept
-        (`RecapProposer` feeds its token memory back into the stream at the request's end)."""
+        (`RecapProposer`'s forks share the stream's memory, with request state of their own)."""
         return copy.deepcopy(self)
 
     def reset_stream(self) -> None:

@@ -26,8 +26,9 @@ store persist across its requests; C/G and the automaton are per request.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from os import PathLike
 from typing import TYPE_CHECKING
 
@@ -45,9 +46,9 @@ from recap.core.calibration import (
     recycled_prior,
 )
 from recap.core.chooser import Candidates, ChosenSizes, ChosenTree, choose, rank
-from recap.core.fast import FUSION_MODES, PRIORS, FastMemory, context_of
+from recap.core.fast import FUSION_MODES, MAIN, PRIORS, FastMemory, context_of
 from recap.core.steps import RowsWanted
-from recap.core.store import OutputStore
+from recap.core.store import OutputStore, StoreMatch
 from recap.core.suffix import SuffixAutomaton
 from recap.core.timing import StageTimer
 from recap.errors import InputError
@@ -182,6 +183,31 @@ ABLATIONS: dict[str, dict] = {
 method's own ingredients; on ``recap-paper`` they change nothing but ``no-cost``'s flag."""
 
 
+@dataclass
+class RecapRequest:
+    """One request's state, apart from the stream's (U, calibration, output store): what a
+    forked request (`RecapProposer.fork_request`) has of its own. ``key`` names its C and G in
+    the stream's shared `FastMemory`."""
+
+    key: int
+    prompt: PromptRows | None = None
+    context: tuple[int, int, int] = (-1, -1, -1)
+    """(u, v, x): the last three tokens of the history at the latest propose, -1 before its start."""
+    automaton: SuffixAutomaton = field(default_factory=SuffixAutomaton)
+    """The prompt and the answer so far, for the continuation."""
+    store_match: StoreMatch | None = None
+    """The history's match in the stream's earlier outputs."""
+    generated: list[int] = field(default_factory=list)
+    pending: ChosenTree | None = None
+    """The tree chosen at the latest propose, whose outcome calibrates."""
+    expected: float = 0.0
+    accepted: int = 0
+    """Estimated and accepted recycled nodes: the request's correction factor."""
+    factor: float = 1.0
+    steps: int = 0
+    """Verified steps so far."""
+
+
 class RecapProposer(BaseProposer):
     name = "recap"
     stream_state = True
@@ -196,12 +222,9 @@ class RecapProposer(BaseProposer):
             config = replace(config, **ABLATIONS[ablation])
         self.config = replace(config, **overrides) if overrides else config
         self.memory: FastMemory | None = None  # it needs the vocabulary size: made at the first request
-        self.automaton = SuffixAutomaton()
         self.vocab_size: int | None = None
         self._excluded: frozenset[int] = frozenset()
         self._excluded_mask: np.ndarray | None = None
-        self._context: tuple[int, int, int] = (-1, -1, -1)
-        """(u, v, x): the last three tokens of the history at the latest propose, -1 before its start."""
         self._pending_memory = None
         self._eta_array = np.array([0.0] + [self.config.depth_prior(d) for d in range(1, self.config.max_depth + 1)],
                                    dtype=np.float64)
@@ -209,14 +232,6 @@ class RecapProposer(BaseProposer):
         self.wants_cost = self.config.cost_aware
         self.calibrator = AcceptanceCalibrator(enabled=self.config.calibration)
         self.store = OutputStore(self.config.store_tokens)
-        self._store_match = self.store.matcher()
-        self._generated: list[int] = []
-        self._pending: ChosenTree | None = None
-        self._request_expected = 0.0
-        self._request_accepted = 0
-        self._factor = 1.0
-        self._steps = 0
-        """Verified steps of the request so far."""
         self._stages = StageTimer()
         self.chosen_sizes = ChosenSizes()
         """Draft nodes chosen at each step of the stream (cost-aware configurations): the
@@ -226,8 +241,10 @@ class RecapProposer(BaseProposer):
         self._requests = 0
         self._parent: RecapProposer | None = None
         """The stream a forked request (`fork_request`) belongs to; None for the stream itself."""
-        self._journal: list[Callable[[FastMemory], None]] | None = None
-        """A forked request's U writes, replayed into the stream at its end."""
+        self.request = RecapRequest(MAIN, store_match=self.store.matcher())
+        """The request in flight (the stream's own; a fork's on `fork_request`)."""
+        self._keys = itertools.count(MAIN + 1)
+        """The keys of the stream's forked requests."""
         if memory_file is not None:
             self.load_memory(memory_file)
 
@@ -252,38 +269,35 @@ class RecapProposer(BaseProposer):
         saved, self._pending_memory = self._pending_memory, None  # a file that fails is reported once
         if saved is not None:
             self._validate(saved, prompt.vocab_size)  # before anything changes: no half-installed stream
+        parent = self._parent
+        if parent is not None and parent.memory is not None and parent.vocab_size == prompt.vocab_size:
+            self.memory = parent.memory  # what another fork made since this one was
         if self.memory is None or self.vocab_size != prompt.vocab_size:
             self.memory = FastMemory(prompt.vocab_size, self.config.top_k)  # another vocabulary: a new stream
+            if parent is not None:  # a fork that began first: the stream takes its memory
+                parent._adopt(self.memory, prompt.vocab_size)
         self.vocab_size = prompt.vocab_size
         if saved is not None:
             self._install(saved, prompt.vocab_size)
-        self.prompt = prompt
         if not self.config.persistent_unigram:
             self.memory.reset_stream()
         elif not self.config.persistent_context:
-            self.memory.reset_request()
+            self.memory.reset_request(self.request.key)
         seeding = self._seeding(prompt)
         if seeding is not None:
             self.memory.seed_from_prompt(prompt.ids, prompt.topk_ids, prompt.topk_logits, seeding)
-            if self._journal is not None:
-                self._journal.append(lambda memory, p=prompt, e=seeding: memory.seed_from_prompt(
-                    p.ids, p.topk_ids, p.topk_logits, e))
         if prompt.excluded_tokens != self._excluded or self._excluded_mask is None:
             self._excluded = prompt.excluded_tokens
             self._excluded_mask = None
             if self._excluded:
                 self._excluded_mask = np.zeros(prompt.vocab_size, dtype=bool)
                 self._excluded_mask[[t for t in self._excluded if 0 <= t < prompt.vocab_size]] = True
-        self.automaton = SuffixAutomaton(prompt.ids.tolist()) if self._continues else SuffixAutomaton()
-        self._generated = []
-        self._pending = None
-        self._request_expected = 0.0
-        self._request_accepted = 0
-        self._factor = 1.0
-        self._steps = 0
+        self.request = RecapRequest(
+            self.request.key, prompt,
+            automaton=SuffixAutomaton(prompt.ids.tolist()) if self._continues else SuffixAutomaton(),
+            store_match=self.store.matcher() if self.config.stream_store else self.request.store_match)
         if self.config.stream_store:
-            self._store_match = self.store.matcher()
-            self._store_match.sync(prompt.ids.tolist())
+            self.request.store_match.sync(prompt.ids.tolist())
 
     def _seeding(self, prompt: PromptRows) -> np.ndarray | None:
         """The eligible mask U seeds from (None: no seeding). ``answers``: the first rows the
@@ -308,38 +322,42 @@ class RecapProposer(BaseProposer):
         return bool(self.config.suffix_tokens) or self.config.long_continuation
 
     def end_request(self) -> None:
-        if self._parent is not None:  # a forked request: its U rows go back into the stream
-            self._parent._replay(self._journal, self.vocab_size)
-            self._journal = []
         if self.config.stream_store:
-            self.store.add(self._generated)
-        if self.config.max_memory_rows is not None and self._parent is None:
-            self._evict(self.config.max_memory_rows)
-        if not self.config.persistent_context:
-            self.memory.reset_request()
-        self._pending = None
+            self.store.add(self.request.generated)
+        if self._parent is not None:  # a forked request: its C and G go, its U rows stay the stream's
+            self.memory.end_request(self.request.key)
+        else:
+            if self.config.max_memory_rows is not None:
+                self._evict(self.config.max_memory_rows)
+            if not self.config.persistent_context:
+                self.memory.reset_request(self.request.key)
+        self.request.pending = None
 
     def fork_request(self) -> RecapProposer:
-        """A proposer for a request that overlaps another of this stream (batched serving). It
-        drafts from a snapshot of U, with C, G and the automaton its own, and shares the
-        stream's calibration and output store (one thread runs both, so their updates simply
-        interleave). The rows it writes into U are kept and replayed into the stream's U when
-        it ends (U only: the stream's own request keeps its C and G), so no request's
-        learning is lost. A file still waiting to be installed (loaded without a vocabulary)
-        is installed first, at the file's vocabulary, for the same reason as in `load_memory`."""
+        """A proposer for a request that overlaps another of this stream (batched serving),
+        keyed by a request key of its own the way SuffixDecoding keys its per-request trees: it
+        reads and writes the stream's U, calibration and output store (one thread runs every
+        request of a stream, so their updates simply interleave, and no request's learning
+        waits for its end), with C, G (under its key in the shared `FastMemory`), the automaton
+        and the rest of the request state its own. A file still waiting to be installed
+        (loaded without a vocabulary) is installed first, at the file's vocabulary, for the
+        same reason as in `load_memory`."""
         if self._pending_memory is not None:
             self._install_now(self._pending_memory, self._pending_memory.vocab_size)
         child = copy.copy(self)
-        child.memory = self.memory.snapshot() if self.memory is not None else None
         child._stages = StageTimer()
         child._parent = self
-        child._journal = []
+        child.request = RecapRequest(next(self._keys), store_match=self.store.matcher())
         return child
+
+    def _adopt(self, memory: FastMemory, vocab_size: int) -> None:
+        """Take the memory a fork made for a vocabulary this stream had none for."""
+        self.memory, self.vocab_size = memory, vocab_size
 
     def _evict(self, bound: int) -> None:
         """Keep at most ``bound`` U rows: those whose token was most recently in a request."""
         self._requests += 1
-        for token in (*self.prompt.ids.tolist(), *self._generated):
+        for token in (*self.request.prompt.ids.tolist(), *self.request.generated):
             self._last_seen[int(token)] = self._requests
         keys, _, _ = self.memory.unigram_arrays()
         if len(keys) <= bound:
@@ -354,7 +372,7 @@ class RecapProposer(BaseProposer):
         """Rows held by (U, C, G)."""
         if self.memory is None:
             return 0, 0, 0
-        return self.memory.counts()
+        return self.memory.counts(self.request.key)
 
     # ------------------------------------------------------------------ drafting
     def propose(self, history: Sequence[int], limits: StepLimits | None = None) -> DraftTree:
@@ -364,10 +382,10 @@ class RecapProposer(BaseProposer):
         stages = self._stages
         stages.begin("propose")
         self.sync_automaton(history)
-        self._context = context_of(history)
+        self.request.context = context_of(history)
         if not self.config.scored:  # the paper's tree
             stages.lap("suffix")
-            tokens, parents, depths, _ = self.search(self._context)
+            tokens, parents, depths, _ = self.search(self.request.context)
             stages.lap("search")
             self.add_suffix(tokens, parents, depths)
             stages.lap("suffix")
@@ -394,13 +412,13 @@ class RecapProposer(BaseProposer):
         if not (self.config.scored and self.config.cost_aware):
             return None
         self.sync_automaton(history)
-        self._context = context_of(history)
+        self.request.context = context_of(history)
         limits = limits if limits is not None else StepLimits()
         depth = limits.max_depth
         ranked = rank(self.candidates(history, depth), limits.max_nodes, depth, limits.stop_tokens)
 
         def take(size: int) -> DraftTree:
-            tree, self._pending = ranked.take(size)
+            tree, self.request.pending = ranked.take(size)
             self.chosen_sizes.append(len(tree))
             return tree
 
@@ -416,7 +434,7 @@ class RecapProposer(BaseProposer):
             cap = limits.max_nodes if cap is None else min(cap, limits.max_nodes)
         tree, chosen = choose(candidates, cost, limits.context_len, cap, limits.max_depth, self.config.end_aware,
                               limits.stop_tokens)
-        self._pending = chosen
+        self.request.pending = chosen
         self.chosen_sizes.append(len(tree))
         return tree
 
@@ -426,27 +444,27 @@ class RecapProposer(BaseProposer):
         deeper than ``room``, the deepest draft the request can still use)."""
         config = self.config
         calibrator = self.calibrator
-        tokens, parents, depths, q = self._build_tree(self._context)
+        tokens, parents, depths, q = self._build_tree(self.request.context)
         recycled = calibrator.recycled(q, depths)
         # The request's correction is learned on recycled nodes and applied to them only: a
         # factor per node compounds along a path, so on a 30-token chain 0.95 would be 0.2.
-        factor = (self._request_accepted + REQUEST_PSEUDO) / (self._request_expected + REQUEST_PSEUDO) \
+        factor = (self.request.accepted + REQUEST_PSEUDO) / (self.request.expected + REQUEST_PSEUDO) \
             if config.calibration else 1.0
-        self._factor = factor
+        self.request.factor = factor
         if factor != 1.0:
             recycled = np.minimum(recycled * factor, 0.999)
         candidates = Candidates(tokens, parents, depths, recycled, recycled_cells(q, depths),
                                 priors=recycled_prior(q))
-        opening = not self._steps  # the match rests on the prompt alone (see `calibration`)
+        opening = not self.request.steps  # the match rests on the prompt alone (see `calibration`)
         if self._continues:
-            length, end = self.automaton.longest_match()
+            length, end = self.request.automaton.longest_match()
             if length:
                 size = config.continuation_length(length, room)
-                chain = self._clean(self.automaton.tokens[end + 1 : end + 1 + size])
+                chain = self._clean(self.request.automaton.tokens[end + 1 : end + 1 + size])
                 candidates.add_chain(chain, *calibrator.continuation(REQUEST, length, np.arange(1, len(chain) + 1),
                                                                       opening))
         if config.stream_store and len(self.store):
-            match = self._store_match
+            match = self.request.store_match
             match.sync(history)
             if match.length:
                 length, chain = match.continuation(config.continuation_length(match.length, room))
@@ -468,9 +486,9 @@ class RecapProposer(BaseProposer):
         """Feed the automaton (and the request's output) the committed tokens not seen yet:
         the first is the prefill's, the others arrived through ``observe``."""
         if self._continues:
-            self.automaton.sync(history)
+            self.request.automaton.sync(history)
         if self.config.scored:
-            self._generated.extend(history[len(self.prompt.ids) + len(self._generated):])
+            self.request.generated.extend(history[len(self.request.prompt.ids) + len(self.request.generated):])
 
     def search(self, context: tuple[int, int, int]) -> tuple[list[int], list[int], list[int], list[float]]:
         """Lookup + fusion + best-first search after ``context`` (`context_of`) in one compiled
@@ -482,7 +500,8 @@ class RecapProposer(BaseProposer):
         """`search` as arrays (tokens, parents, depths, q), what the cost-aware path reads."""
         config = self.config
         return self.memory.build_tree(context, config.budget, config.max_depth, config.width, config.top_k,
-                                      self._eta_array, self._prior_array, config.fusion, self._excluded_mask)
+                                      self._eta_array, self._prior_array, config.fusion, self._excluded_mask,
+                                      request=self.request.key)
 
     def add_suffix(self, tokens: list[int], parents: list[int], depths: list[int]) -> None:
         """Insert the automaton's continuation along a root path, reusing existing nodes;
@@ -490,7 +509,7 @@ class RecapProposer(BaseProposer):
         if not self.config.suffix_tokens:
             return
         continuation = []
-        for token in self.automaton.continuation(self.config.suffix_tokens):
+        for token in self.request.automaton.continuation(self.config.suffix_tokens):
             if token in self._excluded:
                 break
             continuation.append(token)
@@ -523,17 +542,17 @@ class RecapProposer(BaseProposer):
         committed = step.committed
         if self._continues:
             for token in committed:
-                self.automaton.extend(token)
-        self._steps += 1
+                self.request.automaton.extend(token)
+        self.request.steps += 1
         if self.config.scored:
-            self._generated.extend(committed)
-            if self._pending is not None and self._pending.tree is step.tree:
+            self.request.generated.extend(committed)
+            if self.request.pending is not None and self.request.pending.tree is step.tree:
                 self._learn(step)
-            self._pending = None
+            self.request.pending = None
 
     def _learn(self, step: VerifiedTree) -> None:
         """Label every drafted node whose parent was accepted, and calibrate on it."""
-        chosen = self._pending
+        chosen = self.request.pending
         n = len(step.tree)
         if not n:
             return
@@ -550,28 +569,15 @@ class RecapProposer(BaseProposer):
         # estimate is the corrected recycled one), as it is applied to those only.
         only_recycled = is_recycled(chosen.cell_array[:, 0]) & (chosen.cell_array[:, 1] < 0)
         mine = labelled & only_recycled
-        self._request_expected += float(chosen.probs[mine].sum()) / self._factor
-        self._request_accepted += int(accepted[1:][mine].sum())
+        self.request.expected += float(chosen.probs[mine].sum()) / self.request.factor
+        self.request.accepted += int(accepted[1:][mine].sum())
         cells, repeats, priors = chosen.labelled_cells(labelled)
         self.calibrator.update(cells, np.repeat(outcome, repeats), priors)
 
     def refresh(self, step: VerifiedTree) -> None:
         """Every evaluated node's row into U, C and G under its own path context."""
-        self.memory.refresh(self._context, step.tree.tokens, step.tree.parents, step.topk_ids, step.topk_logits,
-                            self.config.fusion != "unigram")
-        if self._journal is not None:
-            self._journal.append(lambda memory, c=self._context, s=step: memory.refresh(
-                c, s.tree.tokens, s.tree.parents, s.topk_ids, s.topk_logits, False))
-
-    def _replay(self, journal: list, vocab_size: int | None) -> None:
-        """A forked request's U writes (prompt seeding, step rows), in their order, into this
-        stream's U."""
-        if not journal or vocab_size is None:
-            return
-        if self.memory is None or self.vocab_size != vocab_size:
-            self.memory, self.vocab_size = FastMemory(vocab_size, self.config.top_k), vocab_size
-        for write in journal:
-            write(self.memory)
+        self.memory.refresh(self.request.context, step.tree.tokens, step.tree.parents, step.topk_ids, step.topk_logits,
+                            self.config.fusion != "unigram", request=self.request.key)
 
     # ------------------------------------------------------------------ persistence
     def save_memory(self, path: str | PathLike, metadata: dict[str, str] | None = None) -> None:

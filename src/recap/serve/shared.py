@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recap.core.persistence import TEMPORARY, parse_count, private_folder
+from recap.core.persistence import TEMPORARY, file_metadata, parse_count, private_folder
 from recap.errors import InputError
 from recap.serve.engine import Engine, Job, QueueFull
 from recap.serve.tenants import MemoryUnavailable, TenantStreams
@@ -88,18 +88,15 @@ def memory_metadata(path: str | os.PathLike) -> dict[str, str] | None:
     there is no file; a damaged file gives ``{}`` (its load then moves it aside). A read that
     failed for a reason that may pass (EIO, EMFILE: an `OSError`) raises `MemoryUnavailable`:
     the file may be fine, and taking it for version 0 could save an older copy over it."""
-    from safetensors import safe_open
-
     try:
-        with safe_open(os.fspath(path), framework="numpy") as handle:
-            return dict(handle.metadata() or {})
+        return file_metadata(path)
     except FileNotFoundError:
         return None
     except OSError as error:
         raise MemoryUnavailable(f"memory file {Path(path).name} could not be read just now "
                                 f"({error.strerror or error}); retry") from None
-    except Exception:  # noqa: BLE001 - safetensors raises several types for damaged files
-        return {} if os.path.exists(path) else None
+    except ValueError:  # a damaged header (`json` errors are ValueErrors too)
+        return {}
 
 
 def file_version(metadata: dict[str, str] | None) -> int:
