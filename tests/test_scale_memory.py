@@ -41,17 +41,17 @@ def _request(engine: Engine, tenants: SharedTenantStreams, tenant: str, prompt: 
     job = Job(tenant=tenant, inputs=target.prepare(prompt, None), max_tokens=6, emit=lambda event: None)
     job.request_id = request_id  # set, not passed: the old code's Job has no such field (its tests fail, not error)
     if pause:
-        original = tenants._refresh
+        original = tenants._sync_with_file
 
-        def slow_refresh(name: str) -> None:
+        def slow_sync(name: str) -> None:
             original(name)
             time.sleep(pause)
 
-        tenants._refresh = slow_refresh
+        tenants._sync_with_file = slow_sync
     try:
         events = list(locked_events(engine, tenants, job))
     finally:
-        tenants.__dict__.pop("_refresh", None)
+        tenants.__dict__.pop("_sync_with_file", None)
     assert events[-1]["type"] == "done", events[-1]
     return events[-1]
 

@@ -200,7 +200,7 @@ class AcceptanceCalibrator:
         self.accepts = accepts.copy()
         self.expected = expected.copy()
         if self.enabled:
-            self._refresh()
+            self._recompute_ratios()
 
     # ----------------------------------------------------------------- estimates
     def estimate(self, cells: np.ndarray) -> np.ndarray:
@@ -245,9 +245,9 @@ class AcceptanceCalibrator:
         self.trials += np.bincount(cells, minlength=n_cells)
         self.accepts += np.bincount(cells, np.asarray(accepted, dtype=np.float64), minlength=n_cells)
         self.expected += np.bincount(cells, own, minlength=n_cells)
-        self._refresh()
+        self._recompute_ratios()
 
-    def _refresh(self) -> None:
+    def _recompute_ratios(self) -> None:
         """Every cell's ratio from its counts (a few hundred cells: whole-array arithmetic is
         cheaper than picking the touched ones)."""
         pseudo = self.prior_strength * self.prior

@@ -134,7 +134,7 @@ Fusion = namedtuple("Fusion", "k width mode priors excluded")
 Scratch = namedtuple("Scratch", "rows weights mix_tok mix_p")
 """Fusion's buffers: the rows found (3), their weights (3), the mixture (3 * K)."""
 
-# Columns of `_build_tree`'s arrays (module constants: compile-time constants to numba).
+# Columns of `_best_first`'s arrays (module constants: compile-time constants to numba).
 # Heap entries, float part: the entry's negated score (the heap key), its parent's score.
 _E_NEG_SCORE, _E_PARENT_SCORE = range(2)
 # Heap entries, int part: the tie-break counter, the parent node, the context (u, v, x) the
@@ -183,7 +183,7 @@ def _store_row(pool, slot, new, r):
 
 
 @njit(cache=True)
-def _refresh(unigram, bigram, trigram, pool, n_rows, vocab, context, tree, new, contextual):
+def _store_step(unigram, bigram, trigram, pool, n_rows, vocab, context, tree, new, contextual):
     """FastMemory.refresh (``tree``: tokens, parents). Returns the new row count, or -1
     (nothing written) when a key token is outside [0, vocab) or a parent is not an earlier node."""
     pool, new = Pool(*pool), Rows(*new)
@@ -459,7 +459,7 @@ def _less(entry_f, entry_i, a, b):
 
 
 @njit(cache=True)
-def _build_tree(unigram, bigram, trigram, pool, vocab, root, budget, max_depth, etas, fusion):
+def _best_first(unigram, bigram, trigram, pool, vocab, root, budget, max_depth, etas, fusion):
     """The best-first search (the reference's ``ReferenceSearch.build_tree``) from context
     ``root`` (u, v, x): (tokens, parents, depths, q)."""
     ids, probs, confidence, length = pool
@@ -760,7 +760,7 @@ class FastMemory:
             raise ValueError(f"{n} Top-K rows for {len(tokens) + 1} packed positions")
         self._reserve(n)
         bigram, trigram = self._maps(request)
-        n_rows = _refresh(self.unigram, bigram, trigram, tuple(self._pool), self._n_rows, self.vocab_size,
+        n_rows = _store_step(self.unigram, bigram, trigram, tuple(self._pool), self._n_rows, self.vocab_size,
                           (u, v, x), (tokens, parents), rows, bool(contextual))
         if n_rows < 0:
             raise ValueError(f"context and tree tokens must lie in [0, {self.vocab_size}) and parents must be "
@@ -793,7 +793,7 @@ class FastMemory:
         mask = _NO_EXCLUSION if excluded is None else np.asarray(excluded, dtype=np.bool_)
         fusion = (int(top_k), int(width), fusion_code(mode), priors, mask)  # a `Fusion`
         bigram, trigram = self._maps(request)
-        return _build_tree(self.unigram, bigram, trigram, tuple(self._pool), self.vocab_size, (u, v, x),
+        return _best_first(self.unigram, bigram, trigram, tuple(self._pool), self.vocab_size, (u, v, x),
                            int(budget), int(max_depth), etas, fusion)
 
     # -------------------------------------------------------------- persistence

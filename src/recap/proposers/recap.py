@@ -444,7 +444,7 @@ class RecapProposer(BaseProposer):
         deeper than ``room``, the deepest draft the request can still use)."""
         config = self.config
         calibrator = self.calibrator
-        tokens, parents, depths, q = self._build_tree(self.request.context)
+        tokens, parents, depths, q = self._tree_arrays(self.request.context)
         recycled = calibrator.recycled(q, depths)
         # The request's correction is learned on recycled nodes and applied to them only: a
         # factor per node compounds along a path, so on a 30-token chain 0.95 would be 0.2.
@@ -494,9 +494,9 @@ class RecapProposer(BaseProposer):
         """Lookup + fusion + best-first search after ``context`` (`context_of`) in one compiled
         call (`FastMemory.build_tree`): (tokens, parents, depths, q) of the tree as lists, q
         the fused probability of each node's token under its parent's context."""
-        return tuple(array.tolist() for array in self._build_tree(context))
+        return tuple(array.tolist() for array in self._tree_arrays(context))
 
-    def _build_tree(self, context: tuple[int, int, int]) -> tuple[np.ndarray, ...]:
+    def _tree_arrays(self, context: tuple[int, int, int]) -> tuple[np.ndarray, ...]:
         """`search` as arrays (tokens, parents, depths, q), what the cost-aware path reads."""
         config = self.config
         return self.memory.build_tree(context, config.budget, config.max_depth, config.width, config.top_k,

@@ -233,7 +233,7 @@ class SharedTenantStreams(TenantStreams):
         try:
             if self.use_lock:
                 fd = self._lock_file(tenant, hold, cancelled, deadline)
-            self._refresh(tenant)
+            self._sync_with_file(tenant)
         except BaseException:
             self._unlock(fd)
             with hold.changed:
@@ -316,7 +316,7 @@ class SharedTenantStreams(TenantStreams):
         the id). Only meaningful while this process holds the tenant (`hold`)."""
         return request_id is not None and request_id in self.learned.get(tenant, ())
 
-    def _refresh(self, tenant: str) -> None:
+    def _sync_with_file(self, tenant: str) -> None:
         """Under the lock: make the tenant's stream the file's, unless it already is. A header
         that cannot be read just now raises `MemoryUnavailable`, with nothing changed."""
         path = self.path(tenant)
