@@ -1,8 +1,11 @@
-"""Target models: one adapter per model family behind `TargetModel`.
+"""Target models: one adapter per model family behind `TargetModel`, its steps run on a lane
+of transformers' forward (`recap.verifier.stock`) or of the project's kernels
+(`recap.verifier.fast`).
 
-A new family goes in its own module with a `TargetModel` subclass, registered in `FAMILIES`
-by its ``config.model_type``. What the decoding loop needs of any target (a model or a
-stand-in) is the `Target` protocol (`recap.verifier.protocol`).
+A new vision-language family is a `_VisionLanguageTarget` subclass in `vision_language.py`,
+registered in `FAMILIES` by its ``config.model_type``; other decoder-only ``*ForCausalLM``
+models need no adapter. What the decoding loop needs of any target (a model or a stand-in)
+is the `Target` protocol (`recap.verifier.protocol`).
 """
 
 from __future__ import annotations
