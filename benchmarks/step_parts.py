@@ -65,7 +65,7 @@ def main() -> None:
                 spent[label(a)] += time.perf_counter() - started
         setattr(owner, name, timed)
 
-    for name in ("rms_norm", "rope", "write_cache", "tree_attention", "silu_mul"):
+    for name in ("rms_norm", "rope", "write_cache", "tree_attention", "silu_mul", "gelu_tanh_mul"):
         wrap(ops, name, lambda a, name=name: name)
     linear_type = type(decoder.layers[0].q)
     wrap(linear_type, "__call__", lambda a: roles.get(id(a[0]), "linear other"))

@@ -82,7 +82,8 @@ def instrument(target, timer: Timer):
         stack.enter_context(patched(acceptance, "top_rows", timer.wrap("logits/top-k", acceptance.top_rows)))
         if target.kernels == "fast":
             for name, category in (("rms_norm", "norm"), ("rope", "elementwise"), ("silu_mul", "elementwise"),
-                                   ("write_cache", "cache"), ("tree_attention", "attention")):
+                                   ("gelu_tanh_mul", "elementwise"), ("write_cache", "cache"),
+                                   ("tree_attention", "attention")):
                 stack.enter_context(patched(ops, name, timer.wrap(category, getattr(ops, name))))
             stack.enter_context(patched(Linear, "__call__", timer.wrap("linear", Linear.__call__)))
             stack.enter_context(patched(ops.QuadAttention, "__call__",

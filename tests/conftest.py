@@ -32,7 +32,8 @@ from recap.core import CostProfile
 from recap.verifier import profile as profiles
 from tests import helpers
 
-TINY_MODELS = ["tiny-llama", "tiny-qwen2.5-vl", "tiny-llava-next"]
+TINY_VISION_MODELS = ["tiny-qwen2.5-vl", "tiny-llava-next"]
+TINY_MODELS = ["tiny-llama", "tiny-gemma3", *TINY_VISION_MODELS]
 
 _session_cache: str | None = None
 

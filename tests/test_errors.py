@@ -98,18 +98,20 @@ def test_empty_prompt_via_api(tiny_llama):
 
 
 def test_sliding_window_models_refuse_runs_beyond_the_window(tiny_llama):
-    """Gemma-3-style sliding attention: exact only while the sequence fits in the window."""
+    """A window the config does not mark per layer (Mistral's ``sliding_window``): the tree
+    mask cannot apply it, so runs are exact only while the sequence fits in it. (Gemma 3
+    marks its sliding layers, and both lanes apply each one's window: tests/test_gemma3.py.)"""
     import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import MistralConfig, MistralForCausalLM
 
     import recap
 
     torch.manual_seed(0)
-    config = Gemma3TextConfig(vocab_size=tiny_llama.vocab_size, hidden_size=32, intermediate_size=64,
-                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                              sliding_window=64, max_position_embeddings=512)
-    target = recap.load((Gemma3ForCausalLM(config).eval(), tiny_llama.tokenizer))
-    assert target.sliding_window == 64
+    config = MistralConfig(vocab_size=tiny_llama.vocab_size, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                           sliding_window=64, max_position_embeddings=512)
+    target = recap.load((MistralForCausalLM(config).eval(), tiny_llama.tokenizer))
+    assert target.sliding_window == 64 and target.layer_window is None
     inputs = target.prepare("Hello")
     assert recap.decode(target, recap.make_proposer("ar"), inputs, max_new_tokens=8).tokens
     with pytest.raises(recap.InputError, match="sliding attention window"):

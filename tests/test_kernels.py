@@ -116,9 +116,9 @@ def test_row_count_dependent_attention_is_caught(monkeypatch):
     target = recap.load("tiny-llama", kernels="fast")
     real = ops.QuadAttention.__call__
 
-    def rows_dependent(self, plan, q, keys, values, ancestors, scale, out):
+    def rows_dependent(self, plan, q, keys, values, ancestors, scale, out, window=0):
         rows = plan[1]
-        real(self, plan, q, keys, values, ancestors, scale * (1.0 + 1e-6 * (rows > 1)), out)
+        real(self, plan, q, keys, values, ancestors, scale * (1.0 + 1e-6 * (rows > 1)), out, window)
 
     monkeypatch.setattr(ops.QuadAttention, "__call__", rows_dependent)
     assert mismatched_nodes(target, _random_tree(np.random.default_rng(3), 12, 1000)) > 0
@@ -136,14 +136,33 @@ def _tree_paths(parents: list[int]) -> tuple[np.ndarray, np.ndarray, list[list[i
     return starts, np.array([a for p in paths for a in p], np.int64), paths
 
 
-@settings(max_examples=25, deadline=None)
+def _windowed_reference(q, keys, values, past, path, scale, window):
+    """float64 attention of one node (its query ``q`` (H * D,)) over the prefix and its path,
+    the last ``window`` keys only (0: all), as Hugging Face's sliding mask keeps them."""
+    kv_heads, _, dim = keys.shape
+    heads = len(q) // dim
+    slots = np.concatenate([np.arange(past), past + np.asarray(path)])
+    if window:
+        slots = slots[-window:]
+    out = np.zeros(heads * dim)
+    for h in range(heads):
+        g = h // (heads // kv_heads)
+        scores = keys[g, slots].astype(np.float64) @ q[h * dim:(h + 1) * dim] * scale
+        weights = np.exp(scores - scores.max())
+        out[h * dim:(h + 1) * dim] = weights / weights.sum() @ values[g, slots]
+    return out
+
+
+@settings(max_examples=40, deadline=None)
 @given(past=st.integers(0, 40), size=st.integers(1, 12), groups=st.sampled_from([1, 3, 4, 6]),
-       kv_heads=st.integers(1, 2), dim=st.sampled_from([16, 64]), seed=st.integers(0, 999))
-def test_quad_attention_gives_each_node_its_plain_steps_bits(past, size, groups, kv_heads, dim, seed):
+       kv_heads=st.integers(1, 2), dim=st.sampled_from([16, 64]), window=st.sampled_from([0, 1, 3, 7, 30]),
+       seed=st.integers(0, 999))
+def test_quad_attention_gives_each_node_its_plain_steps_bits(past, size, groups, kv_heads, dim, window, seed):
     """Kernel level: every node of a packed tree (root 0, random parents) gets, bit for bit,
     what a one-row step at its position gets (a cache whose prefix holds the node's path),
-    whatever the prefix length (the shared 3-key blocks end anywhere) and quad filling; and
-    it agrees with `tree_attention` up to rounding."""
+    whatever the prefix length (the shared 3-key blocks end anywhere), quad filling and
+    sliding window (its first key inside the prefix or inside the path); both kernels agree
+    with float64 attention over the window's keys."""
     rng = np.random.default_rng(seed)
     parents = [-1] + [int(rng.integers(0, i)) for i in range(1, size)]
     starts, ancestors, paths = _tree_paths(parents)
@@ -153,10 +172,13 @@ def test_quad_attention_gives_each_node_its_plain_steps_bits(past, size, groups,
     q = rng.standard_normal((size, heads * dim), dtype=np.float32)
     quad = ops.QuadAttention(heads, kv_heads, dim)
     packed = np.zeros((size, heads * dim), np.float32)
-    quad(quad.plan(past, starts, size), q, keys, values, ancestors, 0.3, packed)
+    quad(quad.plan(past, starts, size), q, keys, values, ancestors, 0.3, packed, window)
     rows = np.zeros_like(packed)
-    ops.tree_attention(q, keys, values, past, starts, ancestors, 0.3, rows, size)
-    np.testing.assert_allclose(packed, rows, rtol=1e-5, atol=1e-6)
+    ops.tree_attention(q, keys, values, past, starts, ancestors, 0.3, window, rows, size)
+    expected = np.stack([_windowed_reference(q[node], keys, values, past, path, 0.3, window)
+                         for node, path in enumerate(paths)])
+    np.testing.assert_allclose(packed, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(rows, expected, rtol=1e-4, atol=1e-5)
     for node, path in enumerate(paths):
         k, v = keys.copy(), values.copy()
         for depth, index in enumerate(path):  # the path's K/V as cached rows, as plain steps wrote them
@@ -164,8 +186,12 @@ def test_quad_attention_gives_each_node_its_plain_steps_bits(past, size, groups,
         plain = np.zeros((1, heads * dim), np.float32)
         here = past + len(path) - 1
         quad(quad.plan(here, np.array([0, 1], np.int64), 1), q[node:node + 1], k, v, np.zeros(1, np.int64), 0.3,
-             plain)
+             plain, window)
         assert plain[0].tobytes() == packed[node].tobytes(), f"node {node} (depth {len(path) - 1})"
+        single = np.zeros_like(plain)
+        ops.tree_attention(q[node:node + 1], k, v, here, np.array([0, 1], np.int64), np.zeros(1, np.int64), 0.3,
+                           window, single, 1)
+        assert single[0].tobytes() == rows[node].tobytes(), f"node {node}, per-row kernel"
 
 
 def test_quad_attention_is_used_where_it_fits():
@@ -177,8 +203,8 @@ def test_quad_attention_out_of_the_written_order_is_refused(monkeypatch):
     other bits (float64 sums) makes `block_slots_exact` false and `QuadAttention` refuses."""
     real = ops._quad_scores
 
-    def reordered(queries, keys, past, lengths, firsts, ancestors, units, b, scores):
-        real(queries, keys, past, lengths, firsts, ancestors, units, b, scores)
+    def reordered(queries, keys, past, lengths, firsts, ancestors, units, b, scores, window):
+        real(queries, keys, past, lengths, firsts, ancestors, units, b, scores, window)
         scores[4 * b, :lengths[4 * b]] = (keys[:lengths[4 * b]].astype(np.float64) @ queries[4 * b]).astype(np.float32)
 
     check = ops.block_slots_exact.__wrapped__

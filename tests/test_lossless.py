@@ -200,22 +200,3 @@ def test_the_decoy_drafter_hides_the_truth_behind_decoys(tiny_llama):
 def test_make_proposer_rejects_unknown_names():
     with pytest.raises(ValueError, match="unknown method"):
         make_proposer("nope")
-
-
-def test_decoy_trees_are_lossless_on_a_tiny_gemma3(tiny_llama):
-    """Gemma 3's generic causal-LM path (sliding-window layers, within their window)."""
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    import recap
-
-    torch.manual_seed(1)
-    config = Gemma3TextConfig(vocab_size=tiny_llama.vocab_size, hidden_size=64, intermediate_size=128,
-                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                              sliding_window=512, max_position_embeddings=4096, initializer_range=0.5,
-                              eos_token_id=2, pad_token_id=2)
-    target = recap.load((Gemma3ForCausalLM(config).eval(), tiny_llama.tokenizer))
-    report = run_check(target, DecoyDrafter(seed=8), prompts=8, max_new_tokens=32, vary=True, seed=8)
-    _assert_all_passed(report)
-    assert_drafted(report, min_accepted=20)
-    assert report.tau > 2.0

@@ -32,7 +32,7 @@ from recap.decoding import decode
 from recap.images import synthetic_image
 from recap.proposers import make_proposer
 from recap.serve import ServerConfig, create_app
-from tests.conftest import load_target
+from tests.conftest import TINY_MODELS, TINY_VISION_MODELS, load_target
 from tests.helpers import assert_drafted
 
 
@@ -126,9 +126,9 @@ def _wait_for(condition, message: str, timeout: float = 60.0, interval: float = 
 
 
 @pytest.mark.lossless
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen2.5-vl", "tiny-llava-next"])
+@pytest.mark.parametrize("model", TINY_MODELS)
 def test_answers_equal_greedy_streamed_or_not(model):
-    image = synthetic_image(3, 48, 40) if model != "tiny-llama" else None
+    image = synthetic_image(3, 48, 40) if model in TINY_VISION_MODELS else None
     prompts = ["Tell me about the sea.", "Tell me about the sea."]  # twice: the second drafts from the first
     expected = _greedy_text(model, prompts[0], image, 16)
     with serving(model) as (url, app):

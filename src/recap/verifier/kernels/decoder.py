@@ -57,10 +57,23 @@ class _Layer:
     k: Linear
     v: Linear
     o: Linear
-    post_norm: np.ndarray
+    mlp_norm: np.ndarray
+    """The norm before the MLP (Llama's ``post_attention_layernorm``, Gemma's
+    ``pre_feedforward_layernorm``)."""
     gate: Linear
     up: Linear
     down: Linear
+    window: int = 0
+    """Sliding attention window (0: every position)."""
+    rope_kind: str | None = None
+    """Key of this layer's rotary tables (None: the model's one table)."""
+    attn_out_norm: np.ndarray | None = None
+    """Gemma: the norm on the attention's output before its residual add."""
+    mlp_out_norm: np.ndarray | None = None
+    """Gemma: the norm on the MLP's output before its residual add."""
+    q_norm: np.ndarray | None = None
+    """Gemma 3: per-head RMSNorm weights of queries and keys (before RoPE)."""
+    k_norm: np.ndarray | None = None
 
     def linears(self) -> tuple[Linear, ...]:
         return self.q, self.k, self.v, self.o, self.gate, self.up, self.down
@@ -80,6 +93,8 @@ class _Buffers:
         self.h, self.x, self.o = zeros(args.hidden), zeros(args.hidden), zeros(args.hidden)
         self.q, self.attn = zeros(q_width), zeros(q_width)
         self.k, self.v = zeros(kv_width), zeros(kv_width)
+        self.heads_q = self.q.reshape(rows * args.heads, args.head_dim)  # views: one row per head
+        self.heads_k = self.k.reshape(rows * args.kv_heads, args.head_dim)
         self.gate, self.up = zeros(args.intermediate), zeros(args.intermediate)
         self.logits = zeros(args.vocab)
 
@@ -109,20 +124,35 @@ class FastDecoder:
             return found
 
         embed_blocks = blocks("embed", None, decoder.embed_tokens.weight)
+        def norm(module: torch.nn.Module) -> np.ndarray:  # Gemma's (1 + w), in float32 as its RMSNorm forms it
+            weight = _vector(module.weight)
+            return weight if not args.norm_offset else np.float32(args.norm_offset) + weight
+
         self.embed = _weight(decoder.embed_tokens.weight) if embed_blocks is None else embed_blocks
         self._grown_embed = None if embed_blocks is None else \
             np.ascontiguousarray(_weight(decoder.embed_tokens.weight)[len(embed_blocks):]).astype(np.float32)
         """Embedding rows past the GGUF file's vocabulary (float32), for a stored embedding."""
         self._embed_float16 = decoder.embed_tokens.weight.dtype == torch.float16
+        scale = getattr(decoder.embed_tokens, "embed_scale", None)  # Gemma: sqrt(hidden), a float32 buffer
+        self.embed_scale = None if scale is None else np.float32(torch.as_tensor(scale, dtype=torch.float32).item())
+        """What each embedding row is multiplied by (Gemma), None: nothing."""
         self.layers = []
         for i, layer in enumerate(decoder.layers):
             attn, mlp = layer.self_attn, layer.mlp
             modules = {"q": attn.q_proj, "k": attn.k_proj, "v": attn.v_proj, "o": attn.o_proj,
                        "gate": mlp.gate_proj, "up": mlp.up_proj, "down": mlp.down_proj}
             linears = {role: _linear(module, blocks(role, i, module.weight)) for role, module in modules.items()}
-            self.layers.append(_Layer(input_norm=_vector(layer.input_layernorm.weight),
-                                      post_norm=_vector(layer.post_attention_layernorm.weight), **linears))
-        self.norm = _vector(decoder.norm.weight)
+            extra = {}
+            if args.sandwich_norms:
+                extra = dict(attn_out_norm=norm(layer.post_attention_layernorm),
+                             mlp_out_norm=norm(layer.post_feedforward_layernorm))
+            if args.qk_norms:
+                extra.update(q_norm=norm(attn.q_norm), k_norm=norm(attn.k_norm))
+            mlp_norm = layer.pre_feedforward_layernorm if args.sandwich_norms else layer.post_attention_layernorm
+            self.layers.append(_Layer(input_norm=norm(layer.input_layernorm), mlp_norm=norm(mlp_norm),
+                                      window=args.windows[i] if args.windows else 0,
+                                      rope_kind=args.rope_kinds[i] if args.rope_kinds else None, **extra, **linears))
+        self.norm = norm(decoder.norm)
         head = model.get_output_embeddings()
         self.head = _linear(head, blocks("head", None, head.weight))
         linears = [linear for layer in self.layers for linear in layer.linears()] + [self.head]
@@ -138,24 +168,29 @@ class FastDecoder:
             if ops.QuadAttention.suits(args.heads, args.kv_heads, args.head_dim) else None
         """Attention four queries of a kv head at a time (`ops.quad_attention`) where the model
         and this machine allow it, else one (row, head) at a time (`ops.tree_attention`)."""
-        self._cos = self._sin = np.zeros((0, args.head_dim), np.float32)
+        self._tables: dict[str | None, tuple[np.ndarray, np.ndarray]] = {}
+        """Rotary cos/sin tables (P, D) by rope kind (`_Layer.rope_kind`)."""
         self._mrope_axis = self._mrope_axes(args.head_dim)
         self._buffers = _Buffers(args, padded_rows(max(warm_rows)))
         self._warm(warm_rows)
 
     # ------------------------------------------------------------------ set-up
-    def _rope_tables(self, positions: int) -> None:
-        """cos/sin for positions [0, positions), from the model's own rotary module (float32)."""
-        if positions <= len(self._cos):
-            return
-        size = max(positions, 2 * len(self._cos), 256)
+    def _rope_tables(self, positions: int, kind: str | None) -> tuple[np.ndarray, np.ndarray]:
+        """cos/sin for positions [0, positions) at least, from the model's own rotary module
+        (float32; ``kind``: its layer type for Gemma 3's two RoPE bases)."""
+        known = self._tables.get(kind)
+        if known is not None and positions <= len(known[0]):
+            return known
+        size = max(positions, 2 * len(known[0]) if known else 0, 256)
         ids = torch.arange(size)[None]
+        extra = () if kind is None else (kind,)
         with torch.inference_mode():
-            cos, sin = self._rotary(torch.zeros(1, dtype=torch.float32), ids)
+            cos, sin = self._rotary(torch.zeros(1, dtype=torch.float32), ids, *extra)
         if cos.ndim == 4:  # (3, 1, P, D): M-RoPE sections; a text token's three coordinates are equal
             cos, sin = cos[0], sin[0]
-        self._cos = np.ascontiguousarray(cos[0].float().numpy())
-        self._sin = np.ascontiguousarray(sin[0].float().numpy())
+        self._tables[kind] = tables = (np.ascontiguousarray(cos[0].float().numpy()),
+                                       np.ascontiguousarray(sin[0].float().numpy()))
+        return tables
 
     def _mrope_axes(self, dim: int) -> np.ndarray | None:
         """M-RoPE (Qwen2-VL / Qwen2.5-VL): which of a row's three coordinates (time, height,
@@ -169,16 +204,17 @@ class FastDecoder:
             return None
         return np.concatenate([half, half])
 
-    def _angles(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Each row's cos/sin (M, D), gathered from the position tables: ``positions`` (M,), or
-        (M, 3) M-RoPE coordinates (an image row's differ; a text row's are equal)."""
-        self._rope_tables(int(positions.max()) + 1)
+    def _angles(self, positions: np.ndarray, kind: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Each row's cos/sin (M, D), gathered from the position tables of rope ``kind``:
+        ``positions`` (M,), or (M, 3) M-RoPE coordinates (an image row's differ; a text row's
+        are equal)."""
+        cos, sin = self._rope_tables(int(positions.max()) + 1, kind)
         if positions.ndim == 1:
-            return self._cos[positions], self._sin[positions]
+            return cos[positions], sin[positions]
         if self._mrope_axis is None:
             raise ValueError("3-D positions for a model without M-RoPE")
         rows, columns = positions[:, self._mrope_axis], np.arange(self.args.head_dim)
-        return self._cos[rows, columns], self._sin[rows, columns]
+        return cos[rows, columns], sin[rows, columns]
 
     def _warm(self, rows: tuple[int, ...]) -> None:
         """Compile (or load from numba's cache) and run every kernel once, outside any timed step."""
@@ -206,6 +242,13 @@ class FastDecoder:
             out[: len(tokens)] = rows.view(np.float16).astype(np.float32)
         else:
             out[: len(tokens)] = (rows.astype(np.uint32) << 16).view(np.float32)
+
+    def _embed_scaled(self, tokens: np.ndarray, out: np.ndarray) -> None:
+        """The rows' embeddings, times `embed_scale` where the model scales them (one float32
+        multiply, as its embedding module does it)."""
+        self._embed(tokens, out)
+        if self.embed_scale is not None:
+            out[: len(tokens)] *= self.embed_scale
 
     def forward(self, cache: KVCache, tokens: np.ndarray, positions: np.ndarray, starts: np.ndarray,
                 paths: np.ndarray, embeds: Sequence[tuple[int, np.ndarray]] = (),
@@ -237,7 +280,7 @@ class FastDecoder:
         rows = padded_rows(m)
         if rows > self._buffers.rows:
             self._buffers = _Buffers(self.args, rows)
-        cos, sin = self._angles(positions)
+        angles = {kind: self._angles(positions, kind) for kind in {layer.rope_kind for layer in self.layers}}
         threads.follow_torch()
         spans = [(int(bounds[r]), int(bounds[r + 1]), cache) for r, cache in enumerate(caches)]
         for begin, end, cache in spans:
@@ -246,14 +289,19 @@ class FastDecoder:
         plans = [quad.plan(cache.length, starts[begin:end + 1], end - begin) if quad else None
                  for begin, end, cache in spans]
         b, args, eps = self._buffers, self.args, self.eps
-        self._embed(tokens, b.h)
+        self._embed_scaled(tokens, b.h)
         for first, vectors in embeds:
             b.h[first:first + len(vectors)] = vectors
+        gated = ops.gelu_tanh_mul if args.activation == "gelu_pytorch_tanh" else ops.silu_mul
         for index, layer in enumerate(self.layers):
+            cos, sin = angles[layer.rope_kind]
             ops.rms_norm(b.h, layer.input_norm, eps, b.x, m)
             layer.q(b.x, b.q, m)
             layer.k(b.x, b.k, m)
             layer.v(b.x, b.v, m)
+            if layer.q_norm is not None:  # per head: the (rows, heads * D) buffers seen as (rows * heads, D)
+                ops.rms_norm(b.heads_q, layer.q_norm, eps, b.heads_q, m * args.heads)
+                ops.rms_norm(b.heads_k, layer.k_norm, eps, b.heads_k, m * args.kv_heads)
             ops.rope(b.q, args.heads, cos, sin, m)
             ops.rope(b.k, args.kv_heads, cos, sin, m)
             for (begin, end, cache), plan in zip(spans, plans):
@@ -261,17 +309,21 @@ class FastDecoder:
                 ops.write_cache(b.k[begin:end], keys, cache.length, args.kv_heads, count)
                 ops.write_cache(b.v[begin:end], values, cache.length, args.kv_heads, count)
                 if plan is not None:
-                    quad(plan, b.q[begin:end], keys, values, paths, self.scale, b.attn[begin:end])
+                    quad(plan, b.q[begin:end], keys, values, paths, self.scale, b.attn[begin:end], layer.window)
                 else:
                     ops.tree_attention(b.q[begin:end], keys, values, cache.length, starts[begin:end + 1], paths,
-                                       self.scale, b.attn[begin:end], count)
+                                       self.scale, layer.window, b.attn[begin:end], count)
             layer.o(b.attn, b.o, m)
+            if layer.attn_out_norm is not None:
+                ops.rms_norm(b.o, layer.attn_out_norm, eps, b.o, m)
             b.h[:m] += b.o[:m]
-            ops.rms_norm(b.h, layer.post_norm, eps, b.x, m)
+            ops.rms_norm(b.h, layer.mlp_norm, eps, b.x, m)
             layer.gate(b.x, b.gate, m)
             layer.up(b.x, b.up, m)
-            ops.silu_mul(b.gate, b.up, m)
+            gated(b.gate, b.up, m)
             layer.down(b.gate, b.o, m)
+            if layer.mlp_out_norm is not None:
+                ops.rms_norm(b.o, layer.mlp_out_norm, eps, b.o, m)
             b.h[:m] += b.o[:m]
         ops.rms_norm(b.h, self.norm, eps, b.x, m)
         if logit_rows is None or len(logit_rows) == m:

@@ -65,6 +65,23 @@ def silu_mul(gate, up, rows):  # pragma: no cover - compiled
             gate[i, c] = g / (np.float32(1.0) + exp32(-g)) * up[i, c]
 
 
+GELU_C0 = np.float32(0.7978845608028654)
+"""sqrt(2 / pi), GeLU's tanh approximation."""
+GELU_C1 = np.float32(0.044715)
+
+
+@njit(cache=True, nogil=True, error_model="numpy")
+def gelu_tanh_mul(gate, up, rows):  # pragma: no cover - compiled
+    """gate[i] = gelu_tanh(gate[i]) * up[i] in place (Gemma's MLP), gelu_tanh(g) = g / 2 *
+    (1 + tanh(y)) with y = sqrt(2/pi) (g + 0.044715 g^3), written as g / (1 + exp(-2y)):
+    the same function (1 + tanh(y) = 2 / (1 + exp(-2y))), on `exp32`, so it vectorises."""
+    for i in range(rows):
+        for c in range(gate.shape[1]):
+            g = gate[i, c]
+            y = GELU_C0 * (g + GELU_C1 * (g * g * g))
+            gate[i, c] = g / (np.float32(1.0) + exp32(-(y + y))) * up[i, c]
+
+
 @njit(cache=True, nogil=True)
 def write_cache(kv, cache, start, heads, rows):  # pragma: no cover - compiled
     """cache[h, start + i] = kv[i] viewed as (heads, D), for i < rows; cache: (H_kv, S, D)."""
@@ -83,15 +100,27 @@ def _key_slot(j, past, ancestors, first):  # pragma: no cover - compiled
     return past + ancestors[first + j - past]
 
 
+@njit(inline="always", cache=True)
+def first_key(length, window):  # pragma: no cover - compiled
+    """The first of a query's ``length`` keys (in position order) that it attends to: 0, or
+    with a sliding ``window`` (> 0) the last ``window`` only, as Hugging Face's sliding mask
+    (``key > query - window``)."""
+    if window > 0 and length > window:
+        return length - window
+    return 0
+
+
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def tree_attention(q, keys, values, past, starts, ancestors, scale, out, rows):  # pragma: no cover - compiled
+def tree_attention(q, keys, values, past, starts, ancestors, scale, window, out, rows):  # pragma: no cover - compiled
     """Each packed node attends to the cached prefix and to its own path, in position order.
 
     q, out: (Mp, H*D) f32; keys, values: (H_kv, S, D) f32, the step's rows already written at
     slots past..past+rows-1; starts: (rows+1,) int64 and ancestors: the node's path as packed
     indices (root first, the node last) in ancestors[starts[i]:starts[i+1]]. A node at depth
     d thus sees exactly the past + d + 1 keys a plain one-token step at its position sees,
-    in the same order: its output is that step's, bit for bit."""
+    in the same order: its output is that step's, bit for bit. ``window`` > 0 (a sliding
+    layer): of those, the last ``window`` (`first_key`), which are again the plain step's;
+    its softmax and sums start at its first key, as the plain step's do."""
     kv_heads, _, dim = keys.shape
     heads = q.shape[1] // dim
     groups = heads // kv_heads
@@ -103,21 +132,22 @@ def tree_attention(q, keys, values, past, starts, ancestors, scale, out, rows): 
         h = g * groups + task % groups
         first = starts[i]
         length = past + starts[i + 1] - first
+        low = first_key(length, window)
         query = q[i, h * dim : (h + 1) * dim]
         scores = np.empty(length, np.float32)
         top = -np.inf
-        for j in range(length):
+        for j in range(low, length):
             s = lanes.dot(query, keys[g, _key_slot(j, past, ancestors, first)]) * np.float32(scale)
             scores[j] = s
             top = max(top, s)
         peak = np.float32(top)
-        for j in range(length):  # vectorised
+        for j in range(low, length):  # vectorised
             scores[j] = exp32(scores[j] - peak)
         total = np.float32(0)
-        for j in range(length):  # in key order, as a plain step sums them
+        for j in range(low, length):  # in key order, as a plain step sums them
             total += scores[j]
         acc = np.zeros(dim, np.float32)
-        for j in range(length):
+        for j in range(low, length):
             p = scores[j] / total
             v = values[g, _key_slot(j, past, ancestors, first)]
             for d in range(dim):
@@ -150,10 +180,12 @@ def _max32(a):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
-def _quad_scores(queries, keys, past, lengths, firsts, ancestors, units, b, scores):  # pragma: no cover - compiled
+def _quad_scores(queries, keys, past, lengths, firsts, ancestors, units, b, scores,
+                 window):  # pragma: no cover - compiled
     """``scores[u, j] = queries[u] . (key j of query u)``, unscaled, for the 4 queries u of
-    quad ``b`` and j < lengths[u]. queries: (Up, D) f32, one kv head's query vectors; keys:
-    (S, D) f32, its cache; scores: (Up, >= max length) f32.
+    quad ``b`` and `first_key` <= j < lengths[u] (the shared loop may also fill some below a
+    query's first key, which the caller ignores). queries: (Up, D) f32, one kv head's query
+    vectors; keys: (S, D) f32, its cache; scores: (Up, >= max length) f32.
 
     Each score is one dot product of `_block3`, the linear layers' 3x4 block (3 keys x 4
     queries), key j always in lane j % 3 of the block of keys 3 * (j // 3). The cached
@@ -165,13 +197,17 @@ def _quad_scores(queries, keys, past, lengths, firsts, ancestors, units, b, scor
     a query gets the same bits in each of its 4 slots and in both loops (`block_slots_exact`
     asserts it)."""
     shared = past - past % KEY_BLOCK
-    for j in range(0, shared, KEY_BLOCK):
+    lowest = past
+    for u in range(4 * b, min(4 * b + 4, units)):
+        lowest = min(lowest, first_key(lengths[u], window))
+    for j in range(lowest - lowest % KEY_BLOCK, shared, KEY_BLOCK):
         _block3(queries, 4 * b, keys, (j, j + 1, j + 2), scores, (j, j + 1, j + 2), NO_BIAS)
     block = np.empty((4, KEY_BLOCK), np.float32)
     quad = queries[4 * b:4 * b + 4]
     for u in range(4 * b, min(4 * b + 4, units)):
         length, first, m = lengths[u], firsts[u], u - 4 * b
-        for j in range(shared, length, KEY_BLOCK):
+        low = first_key(length, window)
+        for j in range(max(shared, low - low % KEY_BLOCK), length, KEY_BLOCK):
             s0 = _key_slot(j, past, ancestors, first)
             s1 = _key_slot(j + 1, past, ancestors, first) if j + 1 < length else s0
             s2 = _key_slot(j + 2, past, ancestors, first) if j + 2 < length else s0
@@ -185,7 +221,7 @@ QuadPlan = namedtuple("QuadPlan", "past rows lengths firsts queries scores acc")
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def quad_attention(plan, q, keys, values, ancestors, scale, out):  # pragma: no cover - compiled
+def quad_attention(plan, q, keys, values, ancestors, scale, window, out):  # pragma: no cover - compiled
     """`tree_attention` (q, keys, values, ancestors, scale, out as there) four queries of one
     kv head at a time, one parallel task per quad: query head h of row i is query u = i * G +
     h % G of kv head h // G (G query heads per kv head). Per quad: its queries gathered, dot
@@ -194,6 +230,11 @@ def quad_attention(plan, q, keys, values, ancestors, scale, out):  # pragma: no 
     total) and the weighted sum of V as `tree_attention` forms it (each element ``acc[d] +=
     p * v[d]`` in key order, IEEE), the cached prefix's V rows read once for the 4 queries;
     the results go to ``out``.
+
+    ``window`` > 0 (a sliding layer): each query attends to its last ``window`` keys
+    (`first_key`), its softmax over those alone, as its plain step's; below its first key
+    its weights are 0, so the V rows shared with the quad's other queries add nothing to it
+    (+0 + w * v stays +0 for w = 0, and its own sum then starts where the plain step's does).
 
     ``plan`` (a `QuadPlan`): past and rows as `tree_attention`'s; lengths, firsts: (Up,)
     int64, query u's key count (past + depth + 1, 0 for padding) and path start in
@@ -214,21 +255,27 @@ def quad_attention(plan, q, keys, values, ancestors, scale, out):  # pragma: no 
             else:
                 queries[g, u, :] = 0
         probs = scores[g]
-        _quad_scores(queries[g], keys[g], past, lengths, firsts, ancestors, units, b, probs)
+        _quad_scores(queries[g], keys[g], past, lengths, firsts, ancestors, units, b, probs, window)
+        lowest = past  # the first cached key any of the quad's queries attends to
+        for u in range(4 * b, min(4 * b + 4, units)):
+            lowest = min(lowest, first_key(lengths[u], window))
         for u in range(4 * b, 4 * b + 4):
             row = probs[u]
             if u >= units:  # a padding slot: weight 0 on the shared keys
-                for j in range(past):
+                for j in range(lowest, past):
                     row[j] = 0
                 continue
             length = lengths[u]
-            for j in range(length):
+            low = first_key(length, window)
+            for j in range(lowest, low):
+                row[j] = 0
+            for j in range(low, length):
                 row[j] = row[j] * np.float32(scale)
-            peak = _max32(row[:length])
-            for j in range(length):  # vectorised
+            peak = _max32(row[low:length])
+            for j in range(low, length):  # vectorised
                 row[j] = exp32(row[j] - peak)
-            total = _sum32(row[:length])
-            for j in range(length):
+            total = _sum32(row[low:length])
+            for j in range(low, length):
                 row[j] = row[j] / total
         a0, a1, a2, a3 = acc[g, 4 * b], acc[g, 4 * b + 1], acc[g, 4 * b + 2], acc[g, 4 * b + 3]
         p0, p1, p2, p3 = probs[4 * b], probs[4 * b + 1], probs[4 * b + 2], probs[4 * b + 3]
@@ -236,7 +283,7 @@ def quad_attention(plan, q, keys, values, ancestors, scale, out):  # pragma: no 
         a1[:] = 0
         a2[:] = 0
         a3[:] = 0
-        for j in range(0, past - past % 2, 2):  # two keys per pass: half the loads and stores of acc
+        for j in range(lowest, past - (past - lowest) % 2, 2):  # two keys per pass: half the loads and stores of acc
             v, y = values[g, j], values[g, j + 1]
             w0, w1, w2, w3 = p0[j], p1[j], p2[j], p3[j]
             z0, z1, z2, z3 = p0[j + 1], p1[j + 1], p2[j + 1], p3[j + 1]
@@ -246,7 +293,7 @@ def quad_attention(plan, q, keys, values, ancestors, scale, out):  # pragma: no 
                 a1[d] = (a1[d] + w1 * x) + z1 * t
                 a2[d] = (a2[d] + w2 * x) + z2 * t
                 a3[d] = (a3[d] + w3 * x) + z3 * t
-        if past % 2:
+        if (past - lowest) % 2:
             v = values[g, past - 1]
             w0, w1, w2, w3 = p0[past - 1], p1[past - 1], p2[past - 1], p3[past - 1]
             for d in range(dim):
@@ -257,7 +304,7 @@ def quad_attention(plan, q, keys, values, ancestors, scale, out):  # pragma: no 
                 a3[d] += w3 * x
         for u in range(4 * b, min(4 * b + 4, units)):
             a, row, first = acc[g, u], probs[u], firsts[u]
-            for j in range(past, lengths[u]):
+            for j in range(max(past, first_key(lengths[u], window)), lengths[u]):
                 w = row[j]
                 v = values[g, _key_slot(j, past, ancestors, first)]
                 for d in range(dim):
@@ -308,9 +355,9 @@ class QuadAttention:
         return QuadPlan(past, rows, lengths, firsts, self._memory[:a].reshape(kv, up, dim),
                         self._memory[b:b + sizes[2]].reshape(kv, up, width), self._memory[a:b].reshape(kv, up, dim))
 
-    def __call__(self, plan: QuadPlan, q, keys, values, ancestors, scale: float, out) -> None:
-        """`tree_attention` of the planned step (q, keys, values, ancestors, scale, out as there)."""
-        quad_attention(plan, q, keys, values, ancestors, scale, out)
+    def __call__(self, plan: QuadPlan, q, keys, values, ancestors, scale: float, out, window: int = 0) -> None:
+        """`tree_attention` of the planned step (q, keys, values, ancestors, scale, window, out as there)."""
+        quad_attention(plan, q, keys, values, ancestors, scale, window, out)
 
 
 @functools.cache
@@ -327,7 +374,8 @@ def block_slots_exact(head_dim: int) -> bool:
         path, lengths, firsts = np.arange(length, dtype=np.int64), np.full(4, length, np.int64), np.zeros(4, np.int64)
         for shift in range(4):
             got = np.zeros((4, length), np.float32)
-            _quad_scores(np.ascontiguousarray(np.roll(x, shift, axis=0)), keys, past, lengths, firsts, path, 4, 0, got)
+            _quad_scores(np.ascontiguousarray(np.roll(x, shift, axis=0)), keys, past, lengths, firsts, path, 4, 0, got,
+                         0)
             back = np.roll(got, -shift, axis=0)
             if reference is None:
                 reference = back
