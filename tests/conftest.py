@@ -32,7 +32,10 @@ from recap.core import CostProfile
 from recap.verifier import profile as profiles
 from tests import helpers
 
-TINY_VISION_MODELS = ["tiny-qwen2.5-vl", "tiny-llava-next"]
+CHUNKED_IMAGE_MODELS = ["tiny-qwen2.5-vl", "tiny-llava-next"]
+"""VLMs whose image rows the fast kernels prefill in chunks, as one-token steps (Gemma 3's
+see each other both ways: transformers prefills them, `causal_images`)."""
+TINY_VISION_MODELS = [*CHUNKED_IMAGE_MODELS, "tiny-gemma3-vl"]
 TINY_MODELS = ["tiny-llama", "tiny-gemma3", *TINY_VISION_MODELS]
 
 _session_cache: str | None = None

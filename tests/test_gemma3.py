@@ -82,6 +82,35 @@ def test_stock_tree_masks_apply_each_layer_types_window(monkeypatch):
     assert broken.failed > 0
 
 
+# ----------------------------------------------------------------------------- the Gemma 3 VLM
+def test_tiny_gemma3_vl_images_attend_both_ways_at_prefill():
+    """tiny-gemma3-vl (`GemmaVLTarget`; every method's losslessness runs on it as one of
+    ``TINY_MODELS``, images included): an image prompt on the fast kernels prefills on
+    transformers' forward (the image's soft tokens see each other both ways) and decodes on
+    the kernels, agreeing with ``generate``; prefilled causally in chunks, as the other VLMs'
+    are, it would not be Gemma's model (the negative control)."""
+    from recap.decoding import reference_generate
+    from recap.images import synthetic_image
+    from recap.verifier import GemmaVLTarget
+
+    target = load_target("tiny-gemma3-vl")
+    assert isinstance(target, GemmaVLTarget) and target.kernels == "fast" and not target.causal_images
+    assert target.layer_window == TINY_WINDOW and target.decoder.args.windows == (TINY_WINDOW, TINY_WINDOW, 0)
+    images = [synthetic_image(seed, 48, 40) for seed in range(3)]
+    prompts = [target.prepare("Describe the picture in detail.", image) for image in images]
+    assert all(inputs.extra["token_type_ids"].sum() == 16 for inputs in prompts)  # 16 soft tokens an image
+    assert target.lane.chunks(prompts[0], "none") is None  # not chunked: transformers' forward prefills it
+    assert [reference_generate(target, inputs, 16) for inputs in prompts] == \
+        [target.stock_generate(inputs, 16) for inputs in prompts]
+    try:
+        target.causal_images = True  # on the instance; deleting it restores the class's False
+        causal = [reference_generate(target, target.prepare("Describe the picture in detail.", image), 16)
+                  for image in images]
+    finally:
+        del target.causal_images
+    assert causal != [target.stock_generate(inputs, 16) for inputs in prompts]
+
+
 # ----------------------------------------------------------------------------- Gemma-3-270M
 one_worker = pytest.mark.xdist_group("gemma3")  # one worker loads it once
 

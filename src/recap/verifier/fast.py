@@ -158,12 +158,15 @@ class FastLane:
     def chunks(self, inputs: ModelInputs, wanted: RowsWanted) -> ChunkedPrefill | None:
         """The prompt's prefill as chunks (`ChunkedPrefill`): a text prompt, or an image prompt
         after `recap.verifier.inputs.encode_images` (run here if the caller has not). None
-        where transformers' forward runs it whole: caller-made positions or a padded mask."""
+        where transformers' forward runs it whole: caller-made positions, a padded mask, or
+        an image whose rows attend to each other both ways (`causal_images`)."""
         if inputs.positions is not None or inputs.padded:
+            return None
+        if inputs.has_image and not self.target.causal_images:
             return None
         if inputs.has_image:
             return ChunkedPrefill(self, inputs.input_ids[0].numpy(), wanted, self.target.encode_images(inputs).language)
-        if not set(inputs.extra) <= {"attention_mask", "mm_token_type_ids"}:
+        if not set(inputs.extra) <= {"attention_mask", "mm_token_type_ids", "token_type_ids"}:  # all text rows
             return None
         return ChunkedPrefill(self, inputs.input_ids[0].numpy(), wanted)
 

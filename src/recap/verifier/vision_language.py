@@ -1,7 +1,8 @@
-"""Adapters for the two vision-language families: Qwen2-VL / Qwen2.5-VL and LLaVA(-NeXT).
+"""Adapters for the vision-language families: Qwen2-VL / Qwen2.5-VL, LLaVA(-NeXT) and Gemma 3.
 
-Both only change how a prompt and an image become model inputs, which tokens are image
-placeholders, and (Qwen) the position offset. Verification itself is shared.
+Each only changes how a prompt and an image become model inputs, which tokens are image
+placeholders, (Qwen) the position offset and (Gemma 3) how an image's rows attend to each
+other at prefill. Verification itself is shared.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class _VisionLanguageTarget(TargetModel):
     attention on the image (SAM+ViSkip)."""
 
     accepts_images = True
+    causal_images = True
+    """Whether an image's rows attend causally at prefill, as text rows do: the fast kernels
+    then prefill them in chunks, as one-token steps would; False (Gemma 3, whose image rows
+    see each other both ways): transformers' forward prefills an image prompt and its K/V
+    move into the kernels' cache (the decode steps after it run on the kernels)."""
 
     def __init__(self, model: torch.nn.Module, processor: Any, **options: Any):
         super().__init__(model, processor, **options)
@@ -61,7 +67,7 @@ class _VisionLanguageTarget(TargetModel):
         so the decoding thread only prefills the language rows, in chunks beside the running
         requests. Text prompts, the stock kernels and prepared inputs pass through."""
         if inputs.language is not None or not inputs.has_image or self.kernels != "fast" \
-                or inputs.positions is not None:
+                or inputs.positions is not None or not self.causal_images:
             return inputs
         return encode_images(self, inputs)
 
@@ -109,3 +115,19 @@ class LlavaTarget(_VisionLanguageTarget):
 
     def _image_token_ids(self) -> list[int]:
         return [int(self.model.config.image_token_id)]
+
+
+class GemmaVLTarget(_VisionLanguageTarget):
+    """Gemma 3 VLMs (`Gemma3ForConditionalGeneration`): the processor expands an image into
+    begin-of-image, ``mm_tokens_per_image`` soft tokens and end-of-image; positions are a
+    plain arange; the soft tokens of one image attend to each other both ways at prefill
+    (``token_type_ids``), hence `causal_images` False. Later tokens are text: causal, with
+    the language model's sliding windows."""
+
+    family = "gemma3"
+    causal_images = False
+
+    def _image_token_ids(self) -> list[int]:
+        config = self.model.config
+        names = ("image_token_id", "boi_token_id", "eoi_token_id")
+        return [int(getattr(config, n)) for n in names if getattr(config, n, None) is not None]
