@@ -115,9 +115,9 @@ def test_tiny_gemma3_vl_images_attend_both_ways_at_prefill():
 one_worker = pytest.mark.xdist_group("gemma3")  # one worker loads it once
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def gemma():
-    return recap.load("gemma3-270m")
+    return load_target("gemma3-270m")  # once per worker, whichever tests ran between
 
 
 @one_worker

@@ -21,7 +21,7 @@ import llvmlite.binding as llvm
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["tiny-llama", "tiny-qwen2.5-vl", "tiny-llava-next"]
+TINY = ["tiny-llama", "tiny-gemma3", "tiny-qwen2.5-vl", "tiny-llava-next"]
 
 
 def _avx2_features() -> str:

@@ -16,6 +16,7 @@ import torch
 from recap.core import DraftTree, PromptRows, RowsWanted, VerifiedTree
 from recap.errors import InputError
 from recap.verifier import acceptance
+from recap.verifier.batch import StepBatch, StepRequest, verify_batch
 from recap.verifier.inputs import ModelInputs
 from recap.verifier.kernels import FastDecoder, prefix
 from recap.verifier.kernels.args import language_model
@@ -173,8 +174,6 @@ class FastLane:
     # ----------------------------------------------------------------- decode steps
     def verify(self, root: int, tree: DraftTree, sampler: Sampler | None, position: int) -> VerifiedTree:
         """A batch of one (`recap.verifier.batch.verify_batch`)."""
-        from recap.verifier.batch import StepBatch, StepRequest, verify_batch
-
         return verify_batch(StepBatch([StepRequest(self.target, root, tree, sampler, position)]))[0]
 
     def step_rows(self, root: int, tree: DraftTree) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

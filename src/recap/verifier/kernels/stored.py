@@ -63,17 +63,12 @@ class StoredWeights:
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> StoredWeights:
-        import gguf
-
         path = Path(path)
         try:
-            reader = gguf.GGUFReader(path)
+            architecture, tensors = read_tensor_table(path)
         except (OSError, ValueError, KeyError, struct.error) as error:
             raise InputError(f"{path} is not a readable GGUF file: {error}") from None
-        architecture = str(reader.fields["general.architecture"].contents())
-        tensors = {tensor.name.removesuffix(".weight"): (tensor.tensor_type.name, tensor.data)
-                   for tensor in reader.tensors}
-        return cls(path, architecture, tensors)
+        return cls(path, architecture, {name.removesuffix(".weight"): entry for name, entry in tensors.items()})
 
     def blocks(self, role: str, layer: int | None, weight: torch.Tensor, *, heads: int = 0,
                kv_heads: int = 0) -> np.ndarray | None:
@@ -130,6 +125,76 @@ class StoredWeights:
         return TENSOR_PROCESSORS.get(self.architecture) is LlamaTensorProcessor
 
 
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+"""GGUF metadata value types of fixed size -> bytes (8: string, 9: array)."""
+
+
+def read_tensor_table(path: str | os.PathLike) -> tuple[str, dict[str, tuple[str, np.ndarray]]]:
+    """(``general.architecture``, {tensor name: (GGUF type name, its rows as uint8 (N, bytes
+    per row), a view of the memory-mapped file)}) from a GGUF file's header (format: the
+    ``gguf`` package's ``GGUFReader``, which `tests/test_quantized.py` holds this to).
+
+    Why not ``GGUFReader``: it builds a Python object for every metadata string first, and a
+    262k-token vocabulary (Gemma 3's) took it about 10 s; this steps over the metadata,
+    reading only the two keys it needs (a few tenths of a second)."""
+    import gguf
+
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    if bytes(blob[:4]) != b"GGUF":
+        raise ValueError("no GGUF magic number")
+    version, tensor_count, field_count = struct.unpack_from("<IQQ", blob, 4)
+    if version < 2:
+        raise ValueError(f"GGUF version {version} (2 or later is read)")
+    position, wanted = 24, {}
+
+    def string(at: int) -> tuple[bytes, int]:
+        (length,) = struct.unpack_from("<Q", blob, at)
+        return bytes(blob[at + 8:at + 8 + length]), at + 8 + length
+
+    def skip(kind: int, at: int) -> int:
+        if kind in _SCALAR_BYTES:
+            return at + _SCALAR_BYTES[kind]
+        if kind == 8:
+            return at + 8 + struct.unpack_from("<Q", blob, at)[0]
+        if kind != 9:
+            raise ValueError(f"unknown metadata value type {kind}")
+        item, count = struct.unpack_from("<IQ", blob, at)
+        at += 12
+        if item in _SCALAR_BYTES:
+            return at + count * _SCALAR_BYTES[item]
+        for _ in range(count):
+            at = skip(item, at)
+        return at
+
+    for _ in range(field_count):
+        key, position = string(position)
+        (kind,) = struct.unpack_from("<I", blob, position)
+        position += 4
+        if key == b"general.architecture" and kind == 8:
+            wanted["architecture"] = string(position)[0].decode()
+        elif key == b"general.alignment" and kind == 4:
+            wanted["alignment"] = struct.unpack_from("<I", blob, position)[0]
+        position = skip(kind, position)
+    entries = []
+    for _ in range(tensor_count):
+        name, position = string(position)
+        (dims,) = struct.unpack_from("<I", blob, position)
+        shape = struct.unpack_from(f"<{dims}Q", blob, position + 4)
+        kind, offset = struct.unpack_from("<IQ", blob, position + 4 + 8 * dims)
+        position += 4 + 8 * dims + 12
+        entries.append((name.decode(), shape, gguf.GGMLQuantizationType(kind), offset))
+    alignment = wanted.get("alignment", gguf.GGUF_DEFAULT_ALIGNMENT)
+    start = -(-position // alignment) * alignment
+    tensors = {}
+    for name, shape, kind, offset in entries:
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        row_bytes = shape[0] // block * size
+        rows = math.prod(shape[1:])
+        first = start + offset
+        tensors[name] = (kind.name, blob[first:first + rows * row_bytes].reshape(rows, row_bytes))
+    return wanted["architecture"], tensors
+
+
 def _llama_rows(rows: int, heads: int) -> np.ndarray:
     """Row ``i`` of the model's q (or k) weight is row ``result[i]`` of the file's: within each
     head the file interleaves the two rotary halves (llama.cpp's layout), transformers' loader
@@ -162,16 +227,14 @@ def without_float_copy(model: torch.nn.Module) -> bool:
 
 def float_bytes(path: str | os.PathLike) -> int:
     """The bytes a GGUF file's tensors take de-quantised to float32 (what transformers' loader
-    makes of them), read from its tensor table by transformers' header reader, which skips
-    the vocabulary (milliseconds; ``gguf.GGUFReader`` parses every token first: seconds)."""
-    try:
-        from transformers.integrations.gguf.reader import GgufHeader
+    makes of them), from its tensor table (`read_tensor_table`: the vocabulary is skipped)."""
+    import gguf
 
-        return 4 * sum(math.prod(tensor.shape) for tensor in GgufHeader.from_file(os.fspath(path)).tensors)
-    except (ImportError, ValueError):  # no header reader, or a block type it does not size (Q5_0, Q5_1)
-        import gguf
-
-        return 4 * sum(int(tensor.n_elements) for tensor in gguf.GGUFReader(path).tensors)
+    total = 0
+    for kind, raw in read_tensor_table(path)[1].values():
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+        total += raw.size // size * block
+    return 4 * total
 
 
 def model_from_file(path: str | os.PathLike) -> torch.nn.Module:
