@@ -145,10 +145,16 @@ def test_two_replicas_answer_like_greedy_and_count_every_tenants_requests(server
     cases = [(t, PROMPTS[(t + i) % 4], i % 2 == 0) for i in range(8) for t in range(4)]
     with ThreadPoolExecutor(8) as pool:
         answers = list(pool.map(lambda case: (case, _ask(url, *case)), cases))
-    with ThreadPoolExecutor(8) as pool:  # more than a replica's 4 lanes: the burst spills
-        burst = list(pool.map(lambda i: ((0, PROMPTS[i % 4], False), _ask(url, 0, PROMPTS[i % 4], False)), range(8)))
-    for (_, prompt, _), (text, _) in answers + burst:
+    # more than a replica's 4 lanes at once: the burst spills. Long answers, so all 8 are in
+    # flight together however slowly the clients start (12-token ones could finish first).
+    with ThreadPoolExecutor(8) as pool:
+        burst = list(pool.map(lambda i: ((0, PROMPTS[i % 4], False), _ask(url, 0, PROMPTS[i % 4], False, LONG)),
+                              range(8)))
+    for (_, prompt, _), (text, _) in answers:
         assert text == greedy[prompt]
+    long = {prompt: _greedy_text(MODEL, prompt, max_tokens=LONG) for prompt in PROMPTS}
+    for (_, prompt, _), (text, _) in burst:
+        assert text == long[prompt]
     assert sum(accepted for _, (_, accepted) in answers + burst) > 0  # drafts were accepted, and exact
 
     expected = {t: 8 for t in KEYS.values()}
