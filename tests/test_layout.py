@@ -9,6 +9,7 @@ profile -> bench.environment -> recap) and bench.data <-> bench.repeats."""
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,14 @@ def test_the_parameter_check_finds_a_long_signature():
     names = ", ".join(f"a{i}" for i in range(23))
     assert _too_many(f"@njit(cache=True)\ndef _fuse({names}):\n    pass\n") == ["_fuse:2"]
     assert _too_many("def plain(a, b, c, d, e, f, g, h, i, j, k):\n    pass\n") == ["plain:1"]
+
+
+@pytest.mark.xdist_group("layout")
+def test_xdist_groups_reach_the_scheduler(request):
+    """`make test` runs ``--dist loadgroup``: tests marked ``xdist_group`` share one worker
+    (Gemma-3-270M loaded once, the native instruction-set build run once). pytest-xdist groups
+    by a suffix on the node id, which pytest 9 ignores (hence pytest < 9 in pyproject.toml):
+    without it the suffix is gone and this fails."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or not request.config.getvalue("loadgroup"):
+        pytest.skip("not under pytest-xdist --dist loadgroup")
+    assert request.node.nodeid.endswith("@layout")
