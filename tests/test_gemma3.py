@@ -111,6 +111,40 @@ def test_tiny_gemma3_vl_images_attend_both_ways_at_prefill():
     assert causal != [target.stock_generate(inputs, 16) for inputs in prompts]
 
 
+def test_the_image_attention_gate_sees_the_final_layers_window():
+    """SAM+ViSkip's gate value (the final layer's attention on the image) on the fast kernels
+    equals the stock capture's, which applies the layer's mask, for a Gemma 3 VLM whose final
+    layer slides and whose window holds part of the image at the end of the prompt."""
+    import torch
+    from transformers import AutoProcessor, Gemma3ForConditionalGeneration
+
+    from recap.images import synthetic_image
+    from recap.verifier import wrap
+
+    built = load_target("tiny-gemma3-vl")
+    processor = AutoProcessor.from_pretrained(built.model.config.name_or_path)
+    config = built.model.config.__class__.from_dict(built.model.config.to_dict())
+    config.text_config.layer_types = ["full_attention", "full_attention", "sliding_attention"]
+    image = synthetic_image(5, 48, 40)
+    length = built.prepare("Describe the picture in detail.", image).input_ids.shape[1]
+    image_end = int(torch.nonzero(built.prepare("Describe the picture in detail.", image).extra["token_type_ids"][0])
+                    .max()) + 1
+    config.text_config.sliding_window = length - image_end + 8  # the root sees the image's last 8 rows
+    torch.manual_seed(3)
+    target = wrap(Gemma3ForConditionalGeneration(config).eval(), processor, kernels="fast")
+    assert target.decoder.layers[-1].window == config.text_config.sliding_window
+    assert target.capture_image_attention(True)
+    values = {}
+    for kernels in ("stock", "fast"):
+        target.use_kernels(kernels)
+        rows, _ = target.prefill(target.prepare("Describe the picture in detail.", image))
+        step = target.verify(7, DraftTree.empty())
+        values[kernels] = (rows.image_attention, step.image_attention)
+        target.release()
+    assert 0 < values["stock"][0] < 0.9 and 0 < values["stock"][1]
+    np.testing.assert_allclose(values["fast"], values["stock"], rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------- Gemma-3-270M
 one_worker = pytest.mark.xdist_group("gemma3")  # one worker loads it once
 

@@ -348,12 +348,17 @@ class FastDecoder:
                              keys: int | None = None) -> float:
         """SAM+ViSkip's gate after a step: the final layer's softmax attention of the request's
         root (packed ``row`` of the step, which sees the prefix and itself: ``keys`` cached
-        rows, by default the prefix + 1), averaged over heads, summed over the image positions
-        (float32 scores, as the stock capture computes them)."""
+        rows, by default the prefix + 1; of them the last ``window`` where that layer slides),
+        averaged over heads, summed over the image positions it sees (float32 scores, as the
+        stock capture computes them under the layer's mask)."""
         args = self.args
         keys = cache.length + 1 if keys is None else keys
+        window = self.layers[-1].window
+        first = keys - window if window and keys > window else 0
         q = torch.from_numpy(self._buffers.q[row].reshape(args.heads, args.head_dim))  # final layer's, after RoPE
-        keys = torch.from_numpy(cache.keys[-1][:, :keys])                          # (H_kv, keys, D)
-        keys = keys.repeat_interleave(args.heads // args.kv_heads, dim=0)
-        probs = torch.softmax(torch.einsum("hd,hsd->hs", q, keys) * self.scale, dim=-1)
-        return float(probs[:, torch.from_numpy(image_positions)].sum(dim=-1).mean())
+        seen = torch.from_numpy(cache.keys[-1][:, first:keys])                     # (H_kv, keys - first, D)
+        seen = seen.repeat_interleave(args.heads // args.kv_heads, dim=0)
+        probs = torch.softmax(torch.einsum("hd,hsd->hs", q, seen) * self.scale, dim=-1)
+        positions = np.asarray(image_positions, np.int64)
+        positions = positions[(positions >= first) & (positions < keys)] - first
+        return float(probs[:, torch.from_numpy(positions)].sum(dim=-1).mean())
