@@ -141,7 +141,7 @@ def test_the_image_attention_gate_sees_the_final_layers_window():
         step = target.verify(7, DraftTree.empty())
         values[kernels] = (rows.image_attention, step.image_attention)
         target.release()
-    assert 0 < values["stock"][0] < 0.9 and 0 < values["stock"][1]
+    assert 0 < values["stock"][0] < 0.9 and values["stock"][1] > 0
     np.testing.assert_allclose(values["fast"], values["stock"], rtol=1e-4)
 
 
