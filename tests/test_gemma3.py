@@ -126,9 +126,9 @@ def test_the_image_attention_gate_sees_the_final_layers_window():
     config = built.model.config.__class__.from_dict(built.model.config.to_dict())
     config.text_config.layer_types = ["full_attention", "full_attention", "sliding_attention"]
     image = synthetic_image(5, 48, 40)
-    length = built.prepare("Describe the picture in detail.", image).input_ids.shape[1]
-    image_end = int(torch.nonzero(built.prepare("Describe the picture in detail.", image).extra["token_type_ids"][0])
-                    .max()) + 1
+    inputs = built.prepare("Describe the picture in detail.", image)
+    length = inputs.input_ids.shape[1]
+    image_end = int(torch.nonzero(inputs.extra["token_type_ids"][0]).max()) + 1
     config.text_config.sliding_window = length - image_end + 8  # the root sees the image's last 8 rows
     torch.manual_seed(3)
     target = wrap(Gemma3ForConditionalGeneration(config).eval(), processor, kernels="fast")

@@ -356,6 +356,11 @@ def _build_tiny_llama(out: Path) -> None:
 TINY_WINDOW = 6
 """tiny-gemma3's sliding window: far shorter than any test prompt, so every step of its
 sliding layers sees part of the sequence only."""
+TINY_GEMMA_TEXT = dict(TINY_TEXT, num_hidden_layers=3, num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16,
+                       sliding_window=TINY_WINDOW, layer_types=["sliding_attention", "sliding_attention",
+                                                                "full_attention"],
+                       bos_token_id=1, eos_token_id=2, pad_token_id=2)
+"""The decoder of tiny-gemma3 and tiny-gemma3-vl (vocabulary and head tying set by each)."""
 
 
 def _build_tiny_gemma3(out: Path) -> None:
@@ -367,11 +372,7 @@ def _build_tiny_gemma3(out: Path) -> None:
 
     tokenizer = _tiny_tokenizer([])
     tokenizer.chat_template = TINY_CHAT_TEMPLATE.replace("{{ IMAGE }}", "")
-    text = dict(TINY_TEXT, num_hidden_layers=3, num_key_value_heads=1)
-    config = Gemma3TextConfig(vocab_size=len(tokenizer), head_dim=16, query_pre_attn_scalar=16,
-                              sliding_window=TINY_WINDOW, layer_types=["sliding_attention", "sliding_attention",
-                                                                       "full_attention"],
-                              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2, **text)
+    config = Gemma3TextConfig(vocab_size=len(tokenizer), tie_word_embeddings=False, **TINY_GEMMA_TEXT)
     torch.manual_seed(0)
     _finish_tiny(Gemma3ForCausalLM(config), tokenizer, out, "tiny-gemma3")
 
@@ -389,13 +390,10 @@ def _build_tiny_gemma3_vl(out: Path) -> None:
     tokenizer._set_model_specific_special_tokens(special_tokens=GEMMA_IMAGE_TOKENS)
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in GEMMA_IMAGE_TOKENS.items()}
     template = TINY_CHAT_TEMPLATE.replace("{{ IMAGE }}", GEMMA_IMAGE_TOKENS["boi_token"])
-    text = dict(TINY_TEXT, num_hidden_layers=3, num_key_value_heads=1, vocab_size=len(tokenizer), head_dim=16,
-                query_pre_attn_scalar=16, sliding_window=TINY_WINDOW,
-                layer_types=["sliding_attention", "sliding_attention", "full_attention"], bos_token_id=1,
-                eos_token_id=2, pad_token_id=2)
     config = Gemma3Config(
-        text_config=text, mm_tokens_per_image=16, boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"],
-        image_token_index=ids["image_token"], tie_word_embeddings=False,
+        text_config=dict(TINY_GEMMA_TEXT, vocab_size=len(tokenizer)), mm_tokens_per_image=16,
+        boi_token_index=ids["boi_token"], eoi_token_index=ids["eoi_token"], image_token_index=ids["image_token"],
+        tie_word_embeddings=False,
         vision_config=dict(model_type="siglip_vision_model", image_size=32, patch_size=8, hidden_size=32,
                            intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
     )

@@ -153,6 +153,8 @@ class FastDecoder:
                                       window=args.windows[i] if args.windows else 0,
                                       rope_kind=args.rope_kinds[i] if args.rope_kinds else None, **extra, **linears))
         self.norm = norm(decoder.norm)
+        self._rope_kinds = tuple(dict.fromkeys(layer.rope_kind for layer in self.layers))
+        """The rotary tables a step gathers angles from (one, or Gemma 3's two)."""
         head = model.get_output_embeddings()
         self.head = _linear(head, blocks("head", None, head.weight))
         linears = [linear for layer in self.layers for linear in layer.linears()] + [self.head]
@@ -280,7 +282,7 @@ class FastDecoder:
         rows = padded_rows(m)
         if rows > self._buffers.rows:
             self._buffers = _Buffers(self.args, rows)
-        angles = {kind: self._angles(positions, kind) for kind in {layer.rope_kind for layer in self.layers}}
+        angles = {kind: self._angles(positions, kind) for kind in self._rope_kinds}
         threads.follow_torch()
         spans = [(int(bounds[r]), int(bounds[r + 1]), cache) for r, cache in enumerate(caches)]
         for begin, end, cache in spans:
