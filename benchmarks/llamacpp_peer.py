@@ -15,7 +15,11 @@ template's prompt token ids, identical for every engine) is decoded greedily for
   weights: its outputs must equal ``ar``'s, the run fails otherwise).
 
 Engines run in a rotating order per unit, after one warm-up each and a short untimed pause
-before every call (so one engine's spinning worker threads do not slow the next); recap's
+before every call (so one engine's spinning worker threads do not slow the next). Each of our
+methods reuses only its own earlier prompts' rows (its prefix-cache scope), as each llama.cpp
+engine reuses only its own previous call's (before 2026-12-07 our methods on the stored
+weights shared one scope, so one that ran after another on a unit skipped most of its
+prefill); each row records the prompt tokens our method copied from its cache; recap's
 cost profile is measured before llama.cpp's threads exist; tokens/s is new tokens
 over the whole call (prompt processing included), ratios are per unit (paired) and
 averaged, and it reports how often each llama.cpp output equals llama.cpp's own plain
@@ -99,15 +103,19 @@ def main() -> int:
         ours = {"ar": (stored, "ar"), "recap": (stored, "recap"), "pld": (stored, "pld"), "ar-float": (floats, "ar")}
         labels = [*engines, *ours]
         streams: dict = {}
+        reused: dict = {}
 
         def run(label: str, index: int, engines=engines, ours=ours, prompts=prompts, stops=stops,
-                streams=streams) -> tuple[list[int], float]:
+                streams=streams, reused=reused) -> tuple[list[int], float]:
             if label in engines:
                 return _llama_generate(engines[label], list(prompts[index].prompt_ids), args.max_new_tokens, stops)
             target, method = ours[label]
+            target.prefix_scope = label  # each method reuses only its own earlier prompts' rows, as llama.cpp does
             topic = units[index].topic
             proposer = streams.setdefault((label, topic), make_proposer(method))
+            before = target.prefix_cache.reused_tokens
             out = decode(target, proposer, prompts[index], max_new_tokens=args.max_new_tokens)
+            reused[label] = target.prefix_cache.reused_tokens - before
             return list(out.tokens), out.total_s
 
         for label in labels:  # warm-up: compile, first allocations, profiles
@@ -120,7 +128,10 @@ def main() -> int:
             for label in order:
                 time.sleep(SETTLE_S)  # untimed: the other engine's worker threads stop spinning
                 tokens, seconds = run(label, index)
-                row[label] = {"tokens": tokens, "s": seconds, "tok_s": len(tokens) / seconds}
+                row[label] = {"tokens": tokens, "s": seconds, "tok_s": len(tokens) / seconds,
+                              "prompt": len(prompts[index].prompt_ids)}
+                if label in ours:
+                    row[label]["reused_prompt_tokens"] = reused[label]
             rows.append(row)
             print(f"{threads} thread(s) {unit.key}: " + ", ".join(f"{label} {row[label]['tok_s']:.1f}"
                                                                for label in labels), flush=True)
@@ -133,6 +144,9 @@ def main() -> int:
         summary = {label: {"tok_s": statistics.mean(row[label]["tok_s"] for row in rows),
                            "vs_llama_cpp": statistics.mean(row[label]["tok_s"] / row["llama.cpp"]["tok_s"]
                                                            for row in rows)} for label in labels}
+        for label in ours:
+            summary[label]["prompt_reused"] = sum(row[label]["reused_prompt_tokens"] for row in rows) / \
+                sum(row[label]["prompt"] for row in rows)
         for label in engines:
             summary[label]["same_as_llama_cpp_greedy"] = sum(row[label]["tokens"] == row["llama.cpp"]["tokens"]
                                                              for row in rows)
@@ -145,12 +159,14 @@ def main() -> int:
     for entry in result["passes"]:
         print(f"\n{args.model} ({path.name}), {len(units)} units, {args.max_new_tokens} new tokens, "
               f"{entry['threads']} thread(s) (read back: {entry['threads_ran']})\n")
-        print("| engine | tok/s | vs llama.cpp (paired) | same as llama.cpp greedy | same as ours |")
-        print("| --- | --- | --- | --- | --- |")
+        print("| engine | tok/s | vs llama.cpp (paired) | same as llama.cpp greedy | same as ours | "
+              "prompt rows from its own cache |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for label, data in entry["summary"].items():
             same = [f"{data[key]}/{len(units)}" if key in data else "" for key in ("same_as_llama_cpp_greedy",
                                                                                   "same_as_ours")]
-            print(f"| {label} | {data['tok_s']:.1f} | {data['vs_llama_cpp']:.2f}x | {same[0]} | {same[1]} |")
+            share = f"{data['prompt_reused']:.0%}" if "prompt_reused" in data else ""
+            print(f"| {label} | {data['tok_s']:.1f} | {data['vs_llama_cpp']:.2f}x | {same[0]} | {same[1]} | {share} |")
         if entry["mismatched_units"]:
             print(f"\nMISMATCH: our methods differ from ar on {entry['mismatched_units']}")
     return 1 if any(entry["mismatched_units"] for entry in result["passes"]) else 0
