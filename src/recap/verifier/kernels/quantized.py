@@ -246,24 +246,53 @@ def _k_group(builder: ir.IRBuilder, name: str, block: ir.Value, group: ir.Value,
     sub-block (every product exact in float32: d * scale has at most 17 significant bits,
     times a 5-bit q at most 22), so one fused multiply-add; Q6_K: ``(d * scale) * q`` per
     16-weight sub-block, a plain multiply (that product can round)."""
+    if name == "Q6_K":
+        return _q6_values(builder, block, group, count, _q6_factor(builder, block, builder.udiv(group, _intp(2)),
+                                                                   count))
+    sub = builder.udiv(group, _intp(4))  # 32-weight sub-block
+    return _k_values(builder, name, block, group, count, _k_factors(builder, block, sub, count))
+
+
+def _q6_factor(builder: ir.IRBuilder, block: ir.Value, sub: ir.Value, count: int) -> ir.Value:
+    """Q6_K: 16-weight sub-block ``sub``'s ``d * scale``, broadcast to ``count`` lanes."""
+    scale = builder.sitofp(_at(builder, block, builder.add(_intp(192), sub), _I8), _FLOAT)
+    return llvm_ops.broadcast(builder, builder.fmul(_half(builder, block, 208), scale), count)
+
+
+def _q6_values(builder: ir.IRBuilder, block: ir.Value, group: ir.Value, count: int, factor: ir.Value) -> ir.Value:
+    """Q6_K weights 8 group .. 8 group + 7 given their sub-block's `_q6_factor`: ``(d * scale)
+    * q``, a plain multiply (see `_k_group`)."""
     vector = ir.VectorType(_FLOAT, count)
     ints = ir.VectorType(_I32, count)
     first = builder.mul(group, _intp(8))  # the group's first weight in the super-block
-    if name == "Q6_K":
-        half, within = builder.udiv(first, _intp(128)), builder.urem(first, _intp(128))
-        nibble, byte = builder.udiv(within, _intp(64)), builder.urem(within, _intp(64))
-        low = _bytes(builder, block, builder.add(builder.mul(half, _intp(64)), byte), count,
-                     builder.mul(nibble, _intp(4)), 0x0F)
-        pair, column = builder.udiv(within, _intp(32)), builder.urem(within, _intp(32))
-        high = _bytes(builder, block, builder.add(_intp(128), builder.add(builder.mul(half, _intp(32)), column)),
-                      count, builder.mul(pair, _intp(2)), 0x03)
-        q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(ints, [4] * count))),
-                        ir.Constant(ints, [32] * count))
-        scale = builder.sitofp(_at(builder, block, builder.add(_intp(192), builder.udiv(group, _intp(2))), _I8),
-                               _FLOAT)
-        d = builder.fmul(_half(builder, block, 208), scale)
-        return builder.fmul(llvm_ops.broadcast(builder, d, count), builder.sitofp(q, vector))
-    sub = builder.udiv(group, _intp(4))  # 32-weight sub-block
+    half, within = builder.udiv(first, _intp(128)), builder.urem(first, _intp(128))
+    nibble, byte = builder.udiv(within, _intp(64)), builder.urem(within, _intp(64))
+    low = _bytes(builder, block, builder.add(builder.mul(half, _intp(64)), byte), count,
+                 builder.mul(nibble, _intp(4)), 0x0F)
+    pair, column = builder.udiv(within, _intp(32)), builder.urem(within, _intp(32))
+    high = _bytes(builder, block, builder.add(_intp(128), builder.add(builder.mul(half, _intp(32)), column)),
+                  count, builder.mul(pair, _intp(2)), 0x03)
+    q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(ints, [4] * count))),
+                    ir.Constant(ints, [32] * count))
+    return builder.fmul(factor, builder.sitofp(q, vector))
+
+
+def _k_factors(builder: ir.IRBuilder, block: ir.Value, sub: ir.Value, count: int) -> tuple[ir.Value, ir.Value]:
+    """Q4_K / Q5_K: sub-block ``sub``'s ``d * scale`` and ``-(dmin * min)``, broadcast to
+    ``count`` lanes (the same for its 4 groups of 8)."""
+    scale, minimum = _k_scale_min(builder, block, sub)
+    d = builder.fmul(_half(builder, block, 0), builder.uitofp(scale, _FLOAT))
+    dm = builder.fmul(_half(builder, block, 2), builder.uitofp(minimum, _FLOAT))
+    return llvm_ops.broadcast(builder, d, count), llvm_ops.broadcast(builder, builder.fneg(dm), count)
+
+
+def _k_values(builder: ir.IRBuilder, name: str, block: ir.Value, group: ir.Value, count: int,
+              factors: tuple[ir.Value, ir.Value]) -> ir.Value:
+    """Q4_K / Q5_K weights 8 group .. 8 group + 7 given their sub-block's `_k_factors`:
+    ``(d * scale) * q - dmin * min`` as one fused multiply-add (exact: see `_k_group`)."""
+    vector = ir.VectorType(_FLOAT, count)
+    ints = ir.VectorType(_I32, count)
+    sub = builder.udiv(group, _intp(4))
     column = builder.mul(builder.urem(group, _intp(4)), _intp(8))
     chunk, nibble = builder.udiv(sub, _intp(2)), builder.urem(sub, _intp(2))
     qs = 16 if name == "Q4_K" else 48
@@ -272,11 +301,7 @@ def _k_group(builder: ir.IRBuilder, name: str, block: ir.Value, group: ir.Value,
     if name == "Q5_K":
         high = _bytes(builder, block, builder.add(_intp(16), column), count, sub, 0x01)
         q = builder.or_(q, builder.shl(high, ir.Constant(ints, [4] * count)))
-    scale, minimum = _k_scale_min(builder, block, sub)
-    d = builder.fmul(_half(builder, block, 0), builder.uitofp(scale, _FLOAT))
-    dm = builder.fmul(_half(builder, block, 2), builder.uitofp(minimum, _FLOAT))
-    return _scale_and_shift(builder, llvm_ops.broadcast(builder, d, count), builder.uitofp(q, vector),
-                            llvm_ops.broadcast(builder, builder.fneg(dm), count))
+    return _scale_and_shift(builder, factors[0], builder.uitofp(q, vector), factors[1])
 
 
 def _block_at(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: ir.Value,
@@ -301,5 +326,16 @@ def load_groups(context, builder: ir.IRBuilder, array_type, array: ir.Value, row
     ``groups * count`` = the block size for 32-weight formats) of row ``row``, de-quantised:
     one block's scales read once, its group offsets constants the compiler folds."""
     format, block, first = _block_at(context, builder, array_type, array, row, column)
+    # K-quants: the groups' sub-block scales unpacked once (LLVM cannot see that ``first`` is a
+    # multiple of 4, so per-group unpacking would not be shared); the same operations, the same bits
+    if format.name in ("Q4_K", "Q5_K") and groups * count == 32:  # one 32-weight sub-block
+        factors = _k_factors(builder, block, builder.udiv(first, _intp(4)), count)
+        return [_k_values(builder, format.name, block, builder.add(first, _intp(g)), count, factors)
+                for g in range(groups)]
+    if format.name == "Q6_K" and groups * count == 32:  # two 16-weight sub-blocks
+        sub = builder.udiv(first, _intp(2))
+        factors = [_q6_factor(builder, block, builder.add(sub, _intp(i)), count) for i in range(2)]
+        return [_q6_values(builder, block, builder.add(first, _intp(g)), count, factors[g // 2])
+                for g in range(groups)]
     return [dequantize_group(builder, format, block, builder.add(first, _intp(g)), count)
             for g in range(groups)]
