@@ -27,7 +27,8 @@ from tests.helpers import assert_drafted, step_logits
 FORMATS = list(quantized.FORMATS)
 
 
-@njit(cache=True)
+@njit  # not cached: numba's cache follows this file only, so a cached copy would keep testing
+# `quantized.py`'s code generation as it was when it was compiled
 def _by_block(stored, out):  # pragma: no cover - compiled
     # every weight through `lanes.load_block`, a whole 32-weight block at a time
     for row in range(stored.shape[0]):

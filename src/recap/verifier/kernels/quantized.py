@@ -210,9 +210,7 @@ def dequantize_group(builder: ir.IRBuilder, format: Format, block: ir.Value, gro
         q = builder.or_(_nibbles(builder, block, 8, group, count), _fifth_bits(builder, block, 4, group, count))
         return _scale_and_shift(builder, llvm_ops.broadcast(builder, _half(builder, block, 0), count),
                                 builder.uitofp(q, vector), llvm_ops.broadcast(builder, _half(builder, block, 2), count))
-    if format.name in ("Q4_K", "Q5_K", "Q6_K"):
-        return _k_group(builder, format.name, block, group, count)
-    raise AssertionError(format.name)
+    raise AssertionError(format.name)  # the 256-weight K-quants are read by `_k_pass`
 
 
 def _scale_byte(builder: ir.IRBuilder, block: ir.Value, offset: ir.Value) -> ir.Value:
@@ -240,17 +238,22 @@ def _k_scale_min(builder: ir.IRBuilder, block: ir.Value, sub: ir.Value) -> tuple
     return builder.select(low, scale_low, scale_high), builder.select(low, min_low, min_high)
 
 
-def _k_group(builder: ir.IRBuilder, name: str, block: ir.Value, group: ir.Value, count: int) -> ir.Value:
-    """Weights 8 group .. 8 group + 7 (group 0-31) of a 256-weight K-quant super-block, by
-    ``gguf``'s arithmetic. Q4_K / Q5_K: ``(d * scale) * q - dmin * min`` per 32-weight
-    sub-block (every product exact in float32: d * scale has at most 17 significant bits,
-    times a 5-bit q at most 22), so one fused multiply-add; Q6_K: ``(d * scale) * q`` per
-    16-weight sub-block, a plain multiply (that product can round)."""
-    if name == "Q6_K":
-        return _q6_values(builder, block, group, count, _q6_factor(builder, block, builder.udiv(group, _intp(2)),
-                                                                   count))
-    sub = builder.udiv(group, _intp(4))  # 32-weight sub-block
-    return _k_values(builder, name, block, group, count, _k_factors(builder, block, sub, count))
+def _k_pass(builder: ir.IRBuilder, name: str, block: ir.Value, first: ir.Value, groups: int,
+            count: int) -> list[ir.Value]:
+    """Groups ``first`` .. ``first + groups - 1`` (8 weights each; ``first`` a multiple of 4,
+    so one 32-weight sub-block) of a 256-weight K-quant super-block, by ``gguf``'s arithmetic.
+    Q4_K / Q5_K: ``(d * scale) * q - dmin * min`` per 32-weight sub-block (every product exact
+    in float32: d * scale has at most 17 significant bits, times a 5-bit q at most 22), so one
+    fused multiply-add; Q6_K: ``(d * scale) * q`` per 16-weight sub-block, a plain multiply
+    (that product can round). The packed scales are unpacked once for the pass, not once a
+    group: LLVM cannot see that ``first`` is a multiple of 4, so it would not share them."""
+    if name == "Q6_K":  # two 16-weight sub-blocks
+        sub = builder.udiv(first, _intp(2))
+        factors = [_q6_factor(builder, block, builder.add(sub, _intp(i)), count) for i in range(2)]
+        return [_q6_values(builder, block, builder.add(first, _intp(g)), count, factors[g // 2])
+                for g in range(groups)]
+    factors = _k_factors(builder, block, builder.udiv(first, _intp(4)), count)
+    return [_k_values(builder, name, block, builder.add(first, _intp(g)), count, factors) for g in range(groups)]
 
 
 def _q6_factor(builder: ir.IRBuilder, block: ir.Value, sub: ir.Value, count: int) -> ir.Value:
@@ -261,7 +264,7 @@ def _q6_factor(builder: ir.IRBuilder, block: ir.Value, sub: ir.Value, count: int
 
 def _q6_values(builder: ir.IRBuilder, block: ir.Value, group: ir.Value, count: int, factor: ir.Value) -> ir.Value:
     """Q6_K weights 8 group .. 8 group + 7 given their sub-block's `_q6_factor`: ``(d * scale)
-    * q``, a plain multiply (see `_k_group`)."""
+    * q``, a plain multiply (see `_k_pass`)."""
     vector = ir.VectorType(_FLOAT, count)
     ints = ir.VectorType(_I32, count)
     first = builder.mul(group, _intp(8))  # the group's first weight in the super-block
@@ -289,7 +292,7 @@ def _k_factors(builder: ir.IRBuilder, block: ir.Value, sub: ir.Value, count: int
 def _k_values(builder: ir.IRBuilder, name: str, block: ir.Value, group: ir.Value, count: int,
               factors: tuple[ir.Value, ir.Value]) -> ir.Value:
     """Q4_K / Q5_K weights 8 group .. 8 group + 7 given their sub-block's `_k_factors`:
-    ``(d * scale) * q - dmin * min`` as one fused multiply-add (exact: see `_k_group`)."""
+    ``(d * scale) * q - dmin * min`` as one fused multiply-add (exact: see `_k_pass`)."""
     vector = ir.VectorType(_FLOAT, count)
     ints = ir.VectorType(_I32, count)
     sub = builder.udiv(group, _intp(4))
@@ -326,16 +329,9 @@ def load_groups(context, builder: ir.IRBuilder, array_type, array: ir.Value, row
     ``groups * count`` = the block size for 32-weight formats) of row ``row``, de-quantised:
     one block's scales read once, its group offsets constants the compiler folds."""
     format, block, first = _block_at(context, builder, array_type, array, row, column)
-    # K-quants: the groups' sub-block scales unpacked once (LLVM cannot see that ``first`` is a
-    # multiple of 4, so per-group unpacking would not be shared); the same operations, the same bits
-    if format.name in ("Q4_K", "Q5_K") and groups * count == 32:  # one 32-weight sub-block
-        factors = _k_factors(builder, block, builder.udiv(first, _intp(4)), count)
-        return [_k_values(builder, format.name, block, builder.add(first, _intp(g)), count, factors)
-                for g in range(groups)]
-    if format.name == "Q6_K" and groups * count == 32:  # two 16-weight sub-blocks
-        sub = builder.udiv(first, _intp(2))
-        factors = [_q6_factor(builder, block, builder.add(sub, _intp(i)), count) for i in range(2)]
-        return [_q6_values(builder, block, builder.add(first, _intp(g)), count, factors[g // 2])
-                for g in range(groups)]
+    if groups * count != 32:  # pragma: no cover - `lanes.load_block` reads 4 groups of 8
+        raise AssertionError("a pass reads one 32-weight block (or K-quant sub-block)")
+    if format.block == 256:
+        return _k_pass(builder, format.name, block, first, groups, count)
     return [dequantize_group(builder, format, block, builder.add(first, _intp(g)), count)
             for g in range(groups)]
