@@ -9,13 +9,17 @@ Quick start::
     results = recap.generate_batch(target, ["Name a river.", "Name a city."])   # continuous batching
 """
 
-from recap.batching import Batch, generate_batch
-from recap.decoding import DecodeStep, Decoding, GenerationResult, decode, generate
-from recap.errors import InputError, RecapError
-from recap.models import load
-from recap.proposers import PROPOSERS, Proposer, make_proposer
-from recap.verifier import Target, TargetModel, wrap
-from recap.verifier.sampling import Sampling
+from recap import numba_cache
+
+numba_cache.install()  # before any kernel module is imported: their caches follow every source they inline
+
+from recap.batching import Batch, generate_batch  # noqa: E402
+from recap.decoding import DecodeStep, Decoding, GenerationResult, decode, generate  # noqa: E402
+from recap.errors import InputError, RecapError  # noqa: E402
+from recap.models import load  # noqa: E402
+from recap.proposers import PROPOSERS, Proposer, make_proposer  # noqa: E402
+from recap.verifier import Target, TargetModel, wrap  # noqa: E402
+from recap.verifier.sampling import Sampling  # noqa: E402
 
 __all__ = ["PROPOSERS", "Batch", "DecodeStep", "Decoding", "GenerationResult", "InputError", "Proposer", "RecapError",
            "Sampling", "Target", "TargetModel", "decode", "generate", "generate_batch", "load", "make_proposer", "wrap"]
