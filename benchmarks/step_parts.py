@@ -65,10 +65,12 @@ def main() -> None:
                 spent[label(a)] += time.perf_counter() - started
         setattr(owner, name, timed)
 
-    for name in ("rms_norm", "rope", "write_cache", "tree_attention", "silu_mul", "gelu_tanh_mul"):
+    for name in ("rms_norm", "add_rms_norm", "rope", "write_cache", "tree_attention", "silu_mul", "gelu_tanh_mul"):
         wrap(ops, name, lambda a, name=name: name)
-    linear_type = type(decoder.layers[0].q)
-    wrap(linear_type, "__call__", lambda a: roles.get(id(a[0]), "linear other"))
+    for layer in decoder.layers:
+        roles.update({id(layer.qkv): "linear q+k+v", id(layer.gate_up): "linear gate+up"})
+    for kind in (type(decoder.layers[0].q), type(decoder.layers[0].qkv)):
+        wrap(kind, "__call__", lambda a: roles.get(id(a[0]), "linear other"))
     if decoder.quad_attention is not None:
         wrap(type(decoder.quad_attention), "__call__", lambda a: "attention (quad)")
     total = timed_step()

@@ -19,7 +19,7 @@ import recap
 from recap.errors import InputError
 from recap.verifier.kernels import FastDecoder, lanes, quantized
 from recap.verifier.kernels.lanes import LANES
-from recap.verifier.kernels.linear import Linear
+from recap.verifier.kernels.linear import Linear, SameInput
 from recap.verifier.kernels.stored import StoredWeights, WeightsMismatch
 from tests.conftest import TINY_MODELS, load_target
 from tests.helpers import assert_drafted, step_logits
@@ -178,6 +178,35 @@ def test_a_layer_on_stored_blocks_gives_the_float_layers_bits(name, weight_rows)
         on_blocks(x, a, rows)
         on_floats(x, b, rows)
         np.testing.assert_array_equal(a[:rows].view(np.uint32), b[:rows].view(np.uint32), err_msg=f"{rows} rows")
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_layers_called_as_one_give_each_layers_own_bits(name):
+    """`SameInput`: q, k, v (and gate, up: two layers) of one format, with and without bias,
+    sizes that leave 1-3 columns past the last block of 4 and span several parallel tasks,
+    called as one for every row count (one kernel for 1-2 rows) give each layer's own call,
+    bit for bit; every column is written (the outputs start as NaN)."""
+    rng = np.random.default_rng(len(name))
+    width = 96 if quantized.FORMATS[name].block == 32 else 256
+    sizes = (4 * 8 * 2 + 5, 4 * 3 + 2, 3)  # three tasks and a tail; one task and a tail; the tail alone
+    layers = tuple(Linear(quantized.random_blocks(rng, n, width, name),
+                          rng.standard_normal(n, dtype=np.float32) if i != 1 else None) for i, n in enumerate(sizes))
+    x = rng.standard_normal((8, width), dtype=np.float32)
+    for joined in (SameInput(layers), SameInput(layers[:2])):
+        assert joined.joined
+        for rows in range(1, 6):
+            outs = tuple(np.full((8, layer.out_features), np.nan, np.float32) for layer in joined.layers)
+            joined(x, outs, rows)
+            for layer, out in zip(joined.layers, outs, strict=True):
+                alone = np.full((8, layer.out_features), np.nan, np.float32)
+                layer(x, alone, rows)
+                np.testing.assert_array_equal(out[:rows].view(np.uint32), alone[:rows].view(np.uint32),
+                                              err_msg=f"{rows} rows")
+    block = quantized.FORMATS[name].block
+    other = next(kind for kind in FORMATS if kind != name and quantized.FORMATS[kind].block == block)
+    mixed = Linear(quantized.random_blocks(rng, 8, width, other), None)
+    floats = Linear(quantized.dequantize(layers[0].weight), None)
+    assert not SameInput((layers[0], mixed)).joined and not SameInput((layers[0], floats)).joined
 
 
 # --------------------------------------------------------------------------- whole models

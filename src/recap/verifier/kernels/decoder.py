@@ -10,7 +10,7 @@ chains (`recap.verifier.kernels.prefix`); an image's features come in as input v
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -18,7 +18,7 @@ import torch
 from recap.verifier.kernels import ops, quantized, quantized_linear, threads
 from recap.verifier.kernels.args import DecoderArgs, language_model
 from recap.verifier.kernels.cache import KVCache
-from recap.verifier.kernels.linear import ROW_BLOCK, GrownLinear, Linear, padded_rows
+from recap.verifier.kernels.linear import ROW_BLOCK, GrownLinear, Linear, SameInput, padded_rows
 from recap.verifier.kernels.stored import StoredWeights
 
 
@@ -74,6 +74,14 @@ class _Layer:
     q_norm: np.ndarray | None = None
     """Gemma 3: per-head RMSNorm weights of queries and keys (before RoPE)."""
     k_norm: np.ndarray | None = None
+    qkv: SameInput = field(init=False)
+    """q, k and v called as one (they read the same normed input)."""
+    gate_up: SameInput = field(init=False)
+    """gate and up called as one."""
+
+    def __post_init__(self) -> None:
+        self.qkv = SameInput((self.q, self.k, self.v))
+        self.gate_up = SameInput((self.gate, self.up))
 
     def linears(self) -> tuple[Linear, ...]:
         return self.q, self.k, self.v, self.o, self.gate, self.up, self.down
@@ -297,10 +305,11 @@ class FastDecoder:
         gated = ops.gelu_tanh_mul if args.activation == "gelu_pytorch_tanh" else ops.silu_mul
         for index, layer in enumerate(self.layers):
             cos, sin = angles[layer.rope_kind]
-            ops.rms_norm(b.h, layer.input_norm, eps, b.x, m)
-            layer.q(b.x, b.q, m)
-            layer.k(b.x, b.k, m)
-            layer.v(b.x, b.v, m)
+            if index:  # the last layer's MLP residual, then this layer's norm
+                ops.add_rms_norm(b.h, b.o, layer.input_norm, eps, b.x, m)
+            else:
+                ops.rms_norm(b.h, layer.input_norm, eps, b.x, m)
+            layer.qkv(b.x, (b.q, b.k, b.v), m)
             if layer.q_norm is not None:  # per head: the (rows, heads * D) buffers seen as (rows * heads, D)
                 ops.rms_norm(b.heads_q, layer.q_norm, eps, b.heads_q, m * args.heads)
                 ops.rms_norm(b.heads_k, layer.k_norm, eps, b.heads_k, m * args.kv_heads)
@@ -318,16 +327,13 @@ class FastDecoder:
             layer.o(b.attn, b.o, m)
             if layer.attn_out_norm is not None:
                 ops.rms_norm(b.o, layer.attn_out_norm, eps, b.o, m)
-            b.h[:m] += b.o[:m]
-            ops.rms_norm(b.h, layer.mlp_norm, eps, b.x, m)
-            layer.gate(b.x, b.gate, m)
-            layer.up(b.x, b.up, m)
+            ops.add_rms_norm(b.h, b.o, layer.mlp_norm, eps, b.x, m)  # the attention's residual
+            layer.gate_up(b.x, (b.gate, b.up), m)
             gated(b.gate, b.up, m)
             layer.down(b.gate, b.o, m)
             if layer.mlp_out_norm is not None:
                 ops.rms_norm(b.o, layer.mlp_out_norm, eps, b.o, m)
-            b.h[:m] += b.o[:m]
-        ops.rms_norm(b.h, self.norm, eps, b.x, m)
+        ops.add_rms_norm(b.h, b.o, self.norm, eps, b.x, m)  # the last layer's MLP residual
         if logit_rows is None or len(logit_rows) == m:
             self.head(b.x, b.logits, m)
         elif len(logit_rows):

@@ -492,6 +492,55 @@ class GrownLinear:
         return max(self.stored.computed_rows(rows), self.grown.computed_rows(rows))
 
 
+class SameInput:
+    """Two or three linear layers that read the same input in a step (a layer's q, k and v;
+    gate and up), called as one. Where they are all GGUF blocks of one format, a 1- or 2-row
+    step (a decode step, a small tree) runs them in one parallel kernel
+    (`quantized_linear.linear_three`: each output column computed by the block that computes
+    it in the layer's own call, so the same bits) and pays one dispatch and one thread-pool
+    start-up instead of one per layer, which on small layers (SmolLM2's k and v) are a good
+    part of their time; other steps call each layer."""
+
+    def __init__(self, layers: tuple[Linear | GrownLinear, ...]):
+        if len(layers) not in (2, 3):
+            raise ValueError(f"SameInput joins 2 or 3 layers, got {len(layers)}")
+        self.layers = layers
+        first = layers[0]
+        self.joined = all(isinstance(layer, Linear) and layer.blocks and layer.weight.dtype == first.weight.dtype
+                          and layer.in_features == first.in_features for layer in layers)
+        """Whether 1- and 2-row steps run as one kernel."""
+        self._weights: list[np.ndarray] = []
+        self._biases: list[np.ndarray] = []
+        if self.joined:
+            # read-only views: the kernel takes its weights as one array type, and a weight
+            # mapped from the file is read-only where a copied one (Llama's q / k rows) is not
+            self._weights = [_read_only(layer.weight) for layer in layers]
+            self._biases = [_read_only(layer.bias) for layer in layers]
+            if len(layers) == 2:  # a third weight of no rows: no tasks
+                self._weights.append(_read_only(np.zeros((0, first.weight.shape[1]), first.weight.dtype)))
+                self._biases.append(_read_only(NO_BIAS))
+        self._no_rows = np.zeros((0, 0), np.float32)
+
+    def __call__(self, x: np.ndarray, outs: tuple[np.ndarray, ...], rows: int) -> None:
+        """``outs[i][:rows] = layers[i](x)``; ``x`` and every out need `Linear.computed_rows` rows."""
+        if not self.joined or rows > SMALL_ROWS:
+            for layer, out in zip(self.layers, outs, strict=True):
+                layer(x, out, rows)
+            return
+        if len(outs) != len(self.layers):
+            raise ValueError(f"{len(self.layers)} layers need as many outputs, got {len(outs)}")
+        if len(x) < SMALL_ROWS or any(len(out) < SMALL_ROWS for out in outs):  # the kernel does not check bounds
+            raise ValueError(f"these layers compute a {rows}-row step as {SMALL_ROWS} rows: x and outs need as many")
+        quantized_linear.linear_three(x, *self._weights, *self._biases, *outs, *(self._no_rows,) * (3 - len(outs)),
+                                      rows)
+
+
+def _read_only(array: np.ndarray) -> np.ndarray:
+    view = array.view()
+    view.flags.writeable = False
+    return view
+
+
 def _kind(stored: np.ndarray) -> str:
     """The weight format a stored array holds (`widen.storage`, or a GGUF block format)."""
     blocks = quantized.format_of(stored.dtype)

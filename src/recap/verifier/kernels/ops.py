@@ -39,6 +39,17 @@ def rms_norm(x, weight, eps, out, rows):  # pragma: no cover - compiled
 
 
 @njit(cache=True, nogil=True)
+def add_rms_norm(h, o, weight, eps, out, rows):  # pragma: no cover - compiled
+    """The residual add ``h[i] += o[i]`` (one float32 addition an element, as numpy's), then
+    `rms_norm` of h into out, for i < rows: one call where a layer made two (numpy's add on
+    row slices cost as much to call as the norm)."""
+    for i in range(rows):
+        for c in range(h.shape[1]):
+            h[i, c] += o[i, c]
+    rms_norm(h, weight, eps, out, rows)
+
+
+@njit(cache=True, nogil=True)
 def rope(x, heads, cos, sin, rows):  # pragma: no cover - compiled
     """Rotary embedding in place, Hugging Face's rotate-half layout: x[i] viewed as
     (heads, D); cos, sin: (M, D), row i's angles (gathered from the position tables)."""

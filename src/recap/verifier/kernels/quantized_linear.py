@@ -194,6 +194,51 @@ def linear_four(x, w, bias, out):  # pragma: no cover - compiled
         _block4x4(x, w, n, 0, out, n, 0, bias)
 
 
+@njit(inline="always")
+def _part_columns(x, w, bias, out, task, rows):  # pragma: no cover - compiled
+    # the output columns `linear_few` computes for w in its parallel task ``task`` (and, for
+    # the last task, the N mod 4 columns it computes one at a time after them)
+    quarter = w.shape[0] // COL_BLOCK
+    for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
+        if rows == 1:
+            _block4x1(x, w, q, quarter, out, q, quarter, bias)
+        else:
+            _block4x2(x, w, q, quarter, out, q, quarter, bias)
+    if (task + 1) * CHUNK >= quarter:
+        for n in range(quarter * COL_BLOCK, w.shape[0]):
+            if rows == 1:
+                _block4x1(x, w, n, 0, out, n, 0, bias)
+            else:
+                _block4x2(x, w, n, 0, out, n, 0, bias)
+
+
+@njit(inline="always")
+def _tasks(w):  # pragma: no cover - compiled
+    # `linear_few`'s parallel tasks for w (one for a weight of fewer than 4 rows)
+    return max(1, -(-(w.shape[0] // COL_BLOCK) // CHUNK)) if w.shape[0] else 0
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def linear_three(x, w0, w1, w2, b0, b1, b2, o0, o1, o2, rows):  # pragma: no cover - compiled
+    """`linear_few` of three weights of one block format that read the same x (a layer's q,
+    k and v; gate and up, with a w2 of no rows), in one parallel region: ``o<i>[:rows] =
+    x[:rows] @ dequantised(w<i>).T + b<i>`` for ``rows`` 1 or 2. Weight i's tasks are the
+    ones `linear_few` runs for it alone, each output column computed by the very block
+    (the same weight rows together, in the same order), so every output is, bit for bit, its
+    own call's; the step pays one dispatch and one start-up of the thread pool instead of
+    three. (Arguments, not a tuple of arrays: a tuple indexed per task compiled to slower
+    blocks, and so did one function holding the 4x4 block too: measured in docs/kernels.md.)"""
+    n0 = _tasks(w0)
+    n1 = n0 + _tasks(w1)
+    for task in prange(n1 + _tasks(w2)):
+        if task < n0:
+            _part_columns(x, w0, b0, o0, task, rows)
+        elif task < n1:
+            _part_columns(x, w1, b1, o1, task - n0, rows)
+        else:
+            _part_columns(x, w2, b2, o2, task - n1, rows)
+
+
 @njit(parallel=True, cache=True, nogil=True)
 def linear_panels(x, w, bias, out, rows, weight_rows):  # pragma: no cover - compiled
     """``out[:rows] = x[:rows] @ dequantised(w).T + bias`` for ``rows`` a multiple of 4 (x and
