@@ -36,7 +36,10 @@ import recap  # noqa: E402
 import recap.verifier.stock as stock_lane  # noqa: E402
 from recap.verifier import acceptance  # noqa: E402
 from recap.verifier.kernels import decoder as fast_decoder  # noqa: E402
-from recap.verifier.kernels import ops  # noqa: E402
+from recap.verifier.kernels import (
+    ops,  # noqa: E402
+    quantized_linear,  # noqa: E402
+)
 from recap.verifier.kernels.linear import Linear  # noqa: E402
 from recap.verifier.kernels.threads import check_read_back, read_back  # noqa: E402
 from recap.verifier.profile import (
@@ -81,11 +84,14 @@ def instrument(target, timer: Timer):
         stack.enter_context(patched(stock_lane, "compact_cache", timer.wrap("cache", stock_lane.compact_cache)))
         stack.enter_context(patched(acceptance, "top_rows", timer.wrap("logits/top-k", acceptance.top_rows)))
         if target.kernels == "fast":
-            for name, category in (("rms_norm", "norm"), ("rope", "elementwise"), ("silu_mul", "elementwise"),
+            for name, category in (("rms_norm", "norm"), ("add_rms_norm", "norm"), ("rope", "elementwise"),
+                                   ("silu_mul", "elementwise"),
                                    ("gelu_tanh_mul", "elementwise"), ("write_cache", "cache"),
                                    ("tree_attention", "attention")):
                 stack.enter_context(patched(ops, name, timer.wrap(category, getattr(ops, name))))
             stack.enter_context(patched(Linear, "__call__", timer.wrap("linear", Linear.__call__)))
+            stack.enter_context(patched(quantized_linear, "linear_three",  # q, k, v as one (SameInput)
+                                        timer.wrap("linear", quantized_linear.linear_three)))
             stack.enter_context(patched(ops.QuadAttention, "__call__",
                                         timer.wrap("attention", ops.QuadAttention.__call__)))
             kv_commit = fast_decoder.KVCache.commit
