@@ -161,43 +161,10 @@ def _unpack(w, row, panel, slot):  # pragma: no cover - compiled
         lanes.put_row(panel, slot, k + 3 * LANES, u3)
 
 
-@njit(parallel=True, cache=True, nogil=True)
-def linear_few(x, w, bias, out, rows):  # pragma: no cover - compiled
-    """``out[:rows] = x[:rows] @ dequantised(w).T + bias`` for ``rows`` 1 or 2: x: (>= rows,
-    K) f32, out: (>= rows, N) f32; output columns q, q + N/4, q + 2N/4, q + 3N/4 together
-    (four sequential streams), the last N mod 4 one at a time."""
-    quarter = w.shape[0] // COL_BLOCK
-    tasks = -(-quarter // CHUNK)
-    for task in prange(tasks):
-        for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
-            if rows == 1:
-                _block4x1(x, w, q, quarter, out, q, quarter, bias)
-            else:
-                _block4x2(x, w, q, quarter, out, q, quarter, bias)
-    for n in range(quarter * COL_BLOCK, w.shape[0]):
-        if rows == 1:
-            _block4x1(x, w, n, 0, out, n, 0, bias)
-        else:
-            _block4x2(x, w, n, 0, out, n, 0, bias)
-
-
-@njit(parallel=True, cache=True, nogil=True)
-def linear_four(x, w, bias, out):  # pragma: no cover - compiled
-    """`linear_few` for steps of 3 or 4 rows (x and out hold 4): the 4x4 register block over
-    output columns q, q + N/4, q + 2N/4, q + 3N/4, the last N mod 4 one at a time."""
-    quarter = w.shape[0] // COL_BLOCK
-    tasks = -(-quarter // CHUNK)
-    for task in prange(tasks):
-        for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
-            _block4x4(x, w, q, quarter, out, q, quarter, bias)
-    for n in range(quarter * COL_BLOCK, w.shape[0]):
-        _block4x4(x, w, n, 0, out, n, 0, bias)
-
-
 @njit(inline="always")
 def _part_columns(x, w, bias, out, task, rows):  # pragma: no cover - compiled
-    # the output columns `linear_few` computes for w in its parallel task ``task`` (and, for
-    # the last task, the N mod 4 columns it computes one at a time after them)
+    # parallel task ``task`` of `linear_few` (and `linear_three`) on w: its column blocks and,
+    # for the last task, the N mod 4 columns after them, one at a time
     quarter = w.shape[0] // COL_BLOCK
     for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
         if rows == 1:
@@ -219,15 +186,37 @@ def _tasks(w):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
+def linear_few(x, w, bias, out, rows):  # pragma: no cover - compiled
+    """``out[:rows] = x[:rows] @ dequantised(w).T + bias`` for ``rows`` 1 or 2: x: (>= rows,
+    K) f32, out: (>= rows, N) f32; output columns q, q + N/4, q + 2N/4, q + 3N/4 together
+    (four sequential streams), the last N mod 4 one at a time (`_part_columns`)."""
+    for task in prange(_tasks(w)):
+        _part_columns(x, w, bias, out, task, rows)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def linear_four(x, w, bias, out):  # pragma: no cover - compiled
+    """`linear_few` for steps of 3 or 4 rows (x and out hold 4): the 4x4 register block over
+    output columns q, q + N/4, q + 2N/4, q + 3N/4, the last N mod 4 one at a time."""
+    quarter = w.shape[0] // COL_BLOCK
+    tasks = -(-quarter // CHUNK)
+    for task in prange(tasks):
+        for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
+            _block4x4(x, w, q, quarter, out, q, quarter, bias)
+    for n in range(quarter * COL_BLOCK, w.shape[0]):
+        _block4x4(x, w, n, 0, out, n, 0, bias)
+
+
+@njit(parallel=True, cache=True, nogil=True)
 def linear_three(x, w0, w1, w2, b0, b1, b2, o0, o1, o2, rows):  # pragma: no cover - compiled
     """`linear_few` of three weights of one block format that read the same x (a layer's q,
     k and v; gate and up, with a w2 of no rows), in one parallel region: ``o<i>[:rows] =
     x[:rows] @ dequantised(w<i>).T + b<i>`` for ``rows`` 1 or 2. Weight i's tasks are the
-    ones `linear_few` runs for it alone, each output column computed by the very block
-    (the same weight rows together, in the same order), so every output is, bit for bit, its
-    own call's; the step pays one dispatch and one start-up of the thread pool instead of
-    three. (Arguments, not a tuple of arrays: a tuple indexed per task compiled to slower
-    blocks, and so did one function holding the 4x4 block too: measured in docs/kernels.md.)"""
+    ones `linear_few` runs for it alone (`_part_columns`), each output column computed by the
+    very block, so every output is, bit for bit, its own call's; the step pays one dispatch
+    and one start-up of the thread pool instead of three. (Arguments, not a tuple of arrays: a
+    tuple indexed per task compiled to slower blocks, and so did one function holding the 4x4
+    block too: measured in docs/kernels.md.)"""
     n0 = _tasks(w0)
     n1 = n0 + _tasks(w1)
     for task in prange(n1 + _tasks(w2)):
