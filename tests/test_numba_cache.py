@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from recap import numba_cache
+from recap.core import fast
 from recap.verifier.kernels import lanes, ops, quantized_linear
 
 
@@ -24,13 +25,16 @@ def test_the_sources_stamp_changes_with_any_file(tmp_path: Path) -> None:
 
 
 def test_the_kernels_stamp_their_caches_with_every_source() -> None:
-    for kernel in (quantized_linear.linear_few, ops.quad_attention, lanes.dot):
-        locator = kernel._cache._impl.locator
+    kernels, core = numba_cache.SOURCES
+    assert kernels == Path(quantized_linear.__file__).resolve().parent and core == Path(fast.__file__).resolve().parent
+    for function, folders in ((quantized_linear.linear_few, (kernels,)), (ops.quad_attention, (kernels,)),
+                              (lanes.dot, (kernels,)), (fast._grow, (core,))):
+        locator = function._cache._impl.locator
         assert isinstance(locator, numba_cache.KernelSourcesLocator)
         own, sources = locator.get_source_stamp()
         assert own == locator._inner.get_source_stamp()
-        assert sources == numba_cache.sources_stamp()
-    assert numba_cache.SOURCES[0] == Path(quantized_linear.__file__).resolve().parent
+        assert sources == numba_cache.sources_stamp(folders)
+    assert numba_cache.sources_of(__file__) == numba_cache.SOURCES  # a test's helper: every folder
 
 
 _MODULE = """
@@ -47,7 +51,7 @@ import json, sys
 sys.path.insert(0, {folder!r})
 import recap.numba_cache as numba_cache
 if {other_sources}:
-    numba_cache._stamp_at_start = lambda: "other sources"
+    numba_cache._stamp_at_start = lambda folders: "other sources"
 import {name}
 assert {name}.twice(3) == 6
 stats = {name}.twice.stats

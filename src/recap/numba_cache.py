@@ -6,7 +6,8 @@ cached kernel kept the old code: a test once passed against a deliberately broke
 de-quantisation (docs/kernels.md). `install` adds one cache locator, in front of numba's,
 for functions of this package and for any function whose module uses it (the tests'
 helpers): the folder numba would pick, with a stamp that adds a hash of every ``.py`` file
-in the folders of `SOURCES` to numba's own, so any edit there compiles afresh. A
+in the function's folder of `SOURCES` (all of them for a function elsewhere) to numba's
+own, so any edit there compiles afresh. A
 user's own numba functions that do not touch ``recap`` keep numba's locators.
 """
 
@@ -37,10 +38,18 @@ def sources_stamp(folders: tuple[Path, ...] = SOURCES) -> str:
 
 
 @functools.cache
-def _stamp_at_start() -> str:
+def _stamp_at_start(folders: tuple[Path, ...] = SOURCES) -> str:
     # hashed once a process: a source edited while it runs is seen by the next one, as numba
     # itself only reads a file's stamp when a function is first compiled or loaded
-    return sources_stamp()
+    return sources_stamp(folders)
+
+
+def sources_of(py_file: str) -> tuple[Path, ...]:
+    """The folders whose code a function in ``py_file`` can inline: its own, where that is one
+    of `SOURCES` (the kernels and `core` import nothing of each other, so an edit of one
+    leaves the other's caches valid), else all of them (a test's helper)."""
+    folder = Path(py_file).resolve().parent
+    return (folder,) if folder in SOURCES else SOURCES
 
 
 def uses_recap(py_func: types.FunctionType) -> bool:
@@ -56,11 +65,11 @@ def uses_recap(py_func: types.FunctionType) -> bool:
 
 class KernelSourcesLocator(caching._CacheLocator):
     """The locator numba would pick for the function (its ``__pycache__``, ``NUMBA_CACHE_DIR``,
-    or the user-wide folder where the package's folder is read-only), with `sources_stamp`
-    added to its stamp."""
+    or the user-wide folder where the package's folder is read-only), with `sources_stamp` of
+    `sources_of` its file added to its stamp."""
 
-    def __init__(self, inner: caching._CacheLocator):
-        self._inner = inner
+    def __init__(self, inner: caching._CacheLocator, folders: tuple[Path, ...]):
+        self._inner, self._folders = inner, folders
 
     def ensure_cache_path(self):
         self._inner.ensure_cache_path()
@@ -69,7 +78,7 @@ class KernelSourcesLocator(caching._CacheLocator):
         return self._inner.get_cache_path()
 
     def get_source_stamp(self):
-        return self._inner.get_source_stamp(), _stamp_at_start()
+        return self._inner.get_source_stamp(), _stamp_at_start(self._folders)
 
     def get_disambiguator(self):
         return self._inner.get_disambiguator()
@@ -82,7 +91,7 @@ class KernelSourcesLocator(caching._CacheLocator):
             if other is not cls:
                 inner = other.from_function(py_func, py_file)
                 if inner is not None:
-                    return cls(inner)
+                    return cls(inner, sources_of(py_file))
         return None
 
 
