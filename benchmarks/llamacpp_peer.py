@@ -26,7 +26,9 @@ averaged, and it reports how often each llama.cpp output equals llama.cpp's own 
 greedy output and how often it equals ours (llama.cpp's CPU kernels are not
 batch-invariant: its speculation may change its answers). Thread counts are set
 (torch, numba, llama.cpp) and read back after each pass; a pass whose counts differ is
-refused. Writes ``--out`` (JSON) and prints a Markdown table.
+refused. numba compiles inside a timed call of ours (a cold cache, a kernel edited since the
+last run) are recorded per row and warned about (`recap.bench.compiles`). Writes ``--out``
+(JSON) and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ def main() -> int:
 
     import recap
     from recap.bench import data as bench_data
+    from recap.bench.compiles import WARNING, CompileWatch
     from recap.bench.sources import resolve_data
     from recap.decoding import decode
     from recap.models import gguf_source
@@ -104,9 +107,10 @@ def main() -> int:
         labels = [*engines, *ours]
         streams: dict = {}
         reused: dict = {}
+        compiled: dict = {}
 
         def run(label: str, index: int, engines=engines, ours=ours, prompts=prompts, stops=stops,
-                streams=streams, reused=reused) -> tuple[list[int], float]:
+                streams=streams, reused=reused, compiled=compiled) -> tuple[list[int], float]:
             if label in engines:
                 return _llama_generate(engines[label], list(prompts[index].prompt_ids), args.max_new_tokens, stops)
             target, method = ours[label]
@@ -114,8 +118,10 @@ def main() -> int:
             topic = units[index].topic
             proposer = streams.setdefault((label, topic), make_proposer(method))
             before = target.prefix_cache.reused_tokens
-            out = decode(target, proposer, prompts[index], max_new_tokens=args.max_new_tokens)
+            with CompileWatch() as watch:
+                out = decode(target, proposer, prompts[index], max_new_tokens=args.max_new_tokens)
             reused[label] = target.prefix_cache.reused_tokens - before
+            compiled[label] = watch.fields()
             return list(out.tokens), out.total_s
 
         for label in labels:  # warm-up: compile, first allocations, profiles
@@ -132,6 +138,7 @@ def main() -> int:
                               "prompt": len(prompts[index].prompt_ids)}
                 if label in ours:
                     row[label]["reused_prompt_tokens"] = reused[label]
+                    row[label].update(compiled[label])  # numba compiles inside this timed call (a cold cache)
             rows.append(row)
             print(f"{threads} thread(s) {unit.key}: " + ", ".join(f"{label} {row[label]['tok_s']:.1f}"
                                                                for label in labels), flush=True)
@@ -151,9 +158,11 @@ def main() -> int:
             summary[label]["same_as_llama_cpp_greedy"] = sum(row[label]["tokens"] == row["llama.cpp"]["tokens"]
                                                              for row in rows)
             summary[label]["same_as_ours"] = sum(row[label]["tokens"] == row["ar"]["tokens"] for row in rows)
+        compiles = [(row["unit"], label, row[label]["compile_s"]) for row in rows for label in ours
+                    if row[label]["compiles"]]
         result["passes"].append({"threads": threads, "threads_ran": ran, "numba": numba.get_num_threads(),
                                  "weights": stored.weights, "mismatched_units": mismatched, "summary": summary,
-                                 "rows": rows})
+                                 "compiled_units": compiles, "rows": rows})
         del engines
     Path(args.out).write_text(json.dumps(result, indent=1))
     for entry in result["passes"]:
@@ -169,6 +178,10 @@ def main() -> int:
             print(f"| {label} | {data['tok_s']:.1f} | {data['vs_llama_cpp']:.2f}x | {same[0]} | {same[1]} | {share} |")
         if entry["mismatched_units"]:
             print(f"\nMISMATCH: our methods differ from ar on {entry['mismatched_units']}")
+        if entry["compiled_units"]:
+            print("\nwarning: " + WARNING.format(count=len(entry["compiled_units"]),
+                                                 seconds=sum(s for *_, s in entry["compiled_units"]))
+                  + f": {entry['compiled_units']}")
     return 1 if any(entry["mismatched_units"] for entry in result["passes"]) else 0
 
 

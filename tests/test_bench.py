@@ -428,6 +428,45 @@ def test_mismatches_are_counted_and_shown_loudly(tmp_path, monkeypatch):
     assert "**eager**: 2 of 2 units differ" in report
 
 
+def test_a_numba_compile_inside_a_timed_decode_is_recorded_and_flagged(tmp_path, monkeypatch):
+    """A decode that compiles numba code (a cold cache, a kernel edited since the last run)
+    has the compile inside its time: the row records it and the report flags the run. The
+    other decodes, on compiled code, record none (the watch sees only real compiles)."""
+    import numba
+
+    real = bench_runner.decode
+    compiled = []
+
+    def compiling(target, proposer, *args, **kwargs):
+        if getattr(proposer, "name", "") == "pld" and not compiled:  # pld's first unit only
+            fresh = numba.njit(lambda x: x + 1)  # a new function: in no cache
+            compiled.append(fresh(1))
+        return real(target, proposer, *args, **kwargs)
+
+    monkeypatch.setattr(bench_runner, "decode", compiling)
+    run = _bench(_config(tmp_path, methods="pld", topics=["alpha"]))
+    rows = ResultsFile(tmp_path / "out").load()
+    flagged = [row for row in rows if row["compiles"]]
+    assert len(rows) == 4 and len(flagged) == 1 and flagged[0]["method"] == "pld"
+    assert flagged[0]["compile_s"] > 0 and flagged[0]["compiled"] == ["test_a_numba_compile_inside_a_timed_decode_"
+                                                                        "is_recorded_and_flagged.<locals>.compiling."
+                                                                        "<locals>.<lambda>"]
+    assert all(row["compile_s"] == 0 for row in rows if row is not flagged[0])
+    assert run.summary["compiled_units"] == [{"unit": flagged[0]["unit"], "method": "pld", "compiles": 1,
+                                              "compile_s": flagged[0]["compile_s"]}]
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "**Compiles inside timing**: numba compiled code inside 1 timed decode(s)" in report
+    assert f"pld on {flagged[0]['unit']}" in report
+
+
+def test_a_run_on_compiled_code_is_not_flagged(tmp_path):
+    """The same units again in the same process: everything they run is compiled already."""
+    _bench(_config(tmp_path, methods="pld", topics=["alpha"]))
+    run = _bench(_config(tmp_path, methods="pld", topics=["alpha"], out=tmp_path / "again"))
+    assert run.summary["compiled_units"] == [] and all(row["compiles"] == 0 for row in run.rows)
+    assert "Compiles inside timing" not in (tmp_path / "again" / "report.md").read_text()
+
+
 # --------------------------------------------------------------------------------------------- CLI
 @pytest.mark.parametrize(("arguments", "message"), [
     (["--data", "/nonexistent/mm"], "data not found"),

@@ -343,33 +343,75 @@ def test_a_head_that_leaves_picked_rows_in_place_is_caught(monkeypatch):
 
 
 def test_a_cache_entry_serves_only_the_rows_it_has():
-    """A prefix-cache entry serves a prefill only if it computed every row that prefill reads
-    (none < first < all), with the same bits as a cold prefill, and a store with fewer rows
-    never replaces an entry with more."""
+    """A prefix-cache entry serves a prefill up to the first row that prefill reads and the
+    entry did not compute (none < first < all), with the same bits as a cold prefill, and a
+    store with fewer rows never replaces an entry with more."""
     target = load_target("tiny-llama")
     target.prefix_cache = cache = PrefixCache()
     inputs = target.prepare(QUESTIONS[1])
     cold = {rows: _prefill(target, inputs, rows)[0] for rows in ("all", "first", "none")}
+    length = target.prompt_length(inputs)
 
-    def prefill(rows: str) -> tuple[bool, object]:
-        hits = cache.hits
+    def prefill(rows: str) -> tuple[int, object]:
+        reused = cache.reused_tokens
         target.keep_prompt_rows(rows)
         prompt, _ = target.prefill(inputs)
         target.release()
-        return cache.hits > hits, prompt
+        return cache.reused_tokens - reused, prompt
 
-    serves = {"none": ("none",), "first": ("none", "first"), "all": ("none", "first", "all")}
-    for held, served in serves.items():
+    def computed(rows: str) -> np.ndarray:
+        return np.zeros(length, bool) if rows == "none" else cold[rows].topk_ids[:, 0] != NOT_COMPUTED
+
+    for held in ("none", "first", "all"):
         for asked in ("none", "first", "all"):
             cache.clear()
             prefill(held)
-            hit, prompt = prefill(asked)
-            assert hit == (asked in served), (held, asked)
-            wanted = cold[asked].topk_ids[:, 0] != NOT_COMPUTED if asked != "none" else slice(0)
+            reused, prompt = prefill(asked)
+            lacking = np.flatnonzero(computed(asked)[:length - 1] & ~computed(held)[:length - 1])
+            assert reused == (lacking[0] if len(lacking) else length - 1), (held, asked)
+            if asked == "none":
+                assert prompt.topk_ids.shape == (0, target.top_k)
+                continue
+            wanted = computed(asked)
             assert np.array_equal(prompt.topk_ids[wanted], cold[asked].topk_ids[wanted])
             assert np.array_equal(prompt.topk_logits[wanted], cold[asked].topk_logits[wanted])
     cache.clear()
     prefill("all")
     prefill("none")  # reuses the entry with rows, stores a row-less one beside it
     prefill("first")
-    assert prefill("all")[0]  # the entry with every row is still there
+    assert prefill("all")[0] == length - 1  # the entry with every row is still there
+
+
+def test_an_entry_missing_a_row_its_label_promises_is_not_trusted(monkeypatch):
+    """An entry labelled ``first`` that lacks a first row (its arrays say so) serves only the
+    rows before it: the prefill computes the rest, and seeding finds every row it reads with
+    a cold prefill's bits. Negative control: a lookup that trusts the label serves the entry
+    whole, the row stays missing, and seeding refuses it."""
+    target = load_target("tiny-llama")
+    target.prefix_cache = cache = PrefixCache()
+    inputs = target.prepare(QUESTIONS[1])
+    cold, _ = _prefill(target, inputs, "first")
+    hole = int(np.flatnonzero(cold.topk_ids[:, 0] != NOT_COMPUTED)[1])
+
+    def holed_prefill() -> tuple[int, object]:
+        (entry,) = cache._entries.values()
+        assert entry.rows == "first" and entry.topk_ids[hole, 0] != NOT_COMPUTED
+        entry.topk_ids[hole], entry.topk_logits[hole] = NOT_COMPUTED, -np.inf
+        reused = cache.reused_tokens
+        target.keep_prompt_rows("first")
+        prompt, _ = target.prefill(inputs)
+        target.release()
+        return cache.reused_tokens - reused, prompt
+
+    reused, served = holed_prefill()
+    assert reused == hole
+    assert np.array_equal(served.topk_ids, cold.topk_ids) and np.array_equal(served.topk_logits, cold.topk_logits)
+    make_proposer("tree-recycling").begin_request(served)
+
+    lookup = PrefixCache.lookup
+    monkeypatch.setattr(PrefixCache, "lookup", lambda self, tokens, limit, scope="", wanted=None:
+                        lookup(self, tokens, limit, scope))
+    reused, trusted = holed_prefill()
+    assert reused == target.prompt_length(inputs) - 1 and trusted.topk_ids[hole, 0] == NOT_COMPUTED
+    with pytest.raises(ValueError, match="not computed"):
+        make_proposer("tree-recycling").begin_request(trusted)

@@ -399,6 +399,7 @@ def _bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from recap.bench import BenchConfig, run_bench
+    from recap.bench.compiles import WARNING
     from recap.bench.report import load_run, write_outputs
     from recap.check import claims_exact
 
@@ -435,6 +436,10 @@ def _bench(args: argparse.Namespace) -> int:
                   f"{data['mismatches']} mismatch(es) in {data['units']} units")
     for path in run.files:
         print(path)
+    compiled = summary.get("compiled_units") or []
+    if compiled:
+        console.print("[bold yellow]warning[/]: " + WARNING.format(count=len(compiled),
+                                                               seconds=sum(u["compile_s"] for u in compiled)))
     if summary["mismatches"]:
         console.print(f"[bold red]MISMATCH[/]: {summary['mismatches']} output(s) differ from AR; see "
                       f"{args.out}/report.md")

@@ -16,6 +16,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from recap.bench.compiles import WARNING, compiled_units
 from recap.bench.dominance import dominance
 from recap.bench.dominance import markdown_section as dominance_section
 from recap.bench.metrics import FLOAT_REFERENCE, REFERENCE, STOCK_REFERENCE, summarise_method
@@ -78,6 +79,7 @@ def build_summary(rows: Sequence[dict], record: dict) -> dict:
                           if label not in (REFERENCE, STOCK_REFERENCE)),
         "methods": methods,
         "dominance": dominance(rows),
+        "compiled_units": compiled_units(rows),
     }
 
 
@@ -161,6 +163,12 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
     else:
         lines += [f"Every output of every method is identical to AR's ({summary['units']} units x "
                   f"{len(drafters)} methods).", ""]
+    compiled = summary.get("compiled_units") or []
+    if compiled:
+        seconds = sum(unit["compile_s"] for unit in compiled)
+        shown = ", ".join(f"{unit['method']} on {unit['unit']} ({unit['compile_s']:.1f} s)" for unit in compiled[:10])
+        lines += [f"> **Compiles inside timing**: {WARNING.format(count=len(compiled), seconds=seconds)}. "
+                  f"{shown}" + (" ..." if len(compiled) > 10 else ""), ""]
     if STOCK_REFERENCE in methods:
         stock = methods[STOCK_REFERENCE]
         differ = ", ".join(f"{m['unit']} (token {m['first_difference']})" for m in stock["mismatched_units"][:20])

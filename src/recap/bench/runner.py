@@ -24,6 +24,7 @@ import torch
 
 from recap.bench import calibration
 from recap.bench import data as bench_data
+from recap.bench.compiles import CompileWatch
 from recap.bench.environment import machine, versions
 from recap.bench.metrics import FLOAT_REFERENCE, REFERENCE, STOCK_REFERENCE, first_difference, unit_tau
 from recap.bench.results import ResultsFile, check_settings, interrupts_held, write_json_atomic
@@ -352,11 +353,11 @@ class Bench:
             # each method reuses only its own earlier prompts' prefixes (as its own server would):
             # a later method must not get the unit's prefill for free from an earlier one
             self.target.prefix_scope = label
-            with self._kernels_for(specs[label]):
+            with self._kernels_for(specs[label]), CompileWatch() as compiles:
                 results[label] = decode(self.target, streams[label], inputs,
                                         max_new_tokens=self.config.max_new_tokens,
                                         sampling=self.config.sampling(unit.key))
-            extra[label] = calibration.unit_fields(streams[label], before)  # untimed
+            extra[label] = {**calibration.unit_fields(streams[label], before), **compiles.fields()}  # untimed
             advance(f"{unit.topic} {unit.key} [bold]{label}[/]")
         reference = results[REFERENCE].tokens
         new_rows = []

@@ -61,7 +61,9 @@ class _Entry:
 
 
 def _covers(computed: RowsWanted, wanted: RowsWanted) -> bool:
-    """Whether a prefill that computed ``computed`` rows has every row ``wanted`` asks for."""
+    """Whether a prefill that computed ``computed`` rows has every row ``wanted`` asks for: the
+    store's rule (an entry never gives way to one with fewer rows). Lookups read the rows
+    themselves (`PrefixCache.lookup`)."""
     return ROWS_WANTED.index(computed) >= ROWS_WANTED.index(wanted)
 
 
@@ -86,17 +88,22 @@ class PrefixCache:
         self._entries.clear()
 
     def lookup(self, tokens: np.ndarray, limit: int, scope: str = "",
-               rows: RowsWanted = "all") -> tuple[int, _Entry | None]:
-        """(shared length, entry): the longest prefix of ``tokens`` held in ``scope``, at most
-        ``limit`` rows, among entries whose computed Top-K rows cover ``rows`` (``first`` rows
-        of a prefix are the ``first`` rows of every prompt that extends it)."""
+               wanted: np.ndarray | None = None) -> tuple[int, _Entry | None]:
+        """(usable length, entry): the longest prefix of ``tokens`` held in ``scope``, at most
+        ``limit`` rows, cut before the first row ``wanted`` (per position: the prefill reads
+        its Top-K row) that the entry did not compute. An entry serves the rows it holds, read
+        from its arrays, not from its label: a prefill never copies a row it needs as missing."""
         best, best_key = 0, None
         for key, entry in self._entries.items():
-            if entry.scope != scope or not _covers(entry.rows, rows):
+            if entry.scope != scope:
                 continue
             length = min(len(entry.tokens), len(tokens), limit)
             differ = np.flatnonzero(entry.tokens[:length] != tokens[:length])
             shared = int(differ[0]) if len(differ) else length
+            if wanted is not None and shared:
+                held = np.zeros(shared, bool) if entry.topk_ids is None else entry.topk_ids[:shared, 0] != NOT_COMPUTED
+                lacking = np.flatnonzero(np.asarray(wanted[:shared], bool) & ~held)
+                shared = int(lacking[0]) if len(lacking) else shared
             if shared > best:
                 best, best_key = shared, key
         if best_key is None:
@@ -179,7 +186,7 @@ class ChunkedPrefill:
         self._looked_up = True
         lane = self.lane
         reused, entry = lane.runner.prefix_cache.lookup(self.prompt, min(len(self.prompt) - 1, self._shareable),
-                                                        lane.target.prefix_scope, rows=self.rows_kept)
+                                                        lane.target.prefix_scope, wanted=self._wanted)
         if reused:
             lane.load_prefix(entry.keys[:, :, :reused], entry.values[:, :, :reused], reused)
             if entry.topk_ids is not None:
