@@ -2,7 +2,7 @@
 
 A timed unit should measure the steady state. On a cold numba cache (a clean checkout, the
 first run after a kernel edit) a decode can compile a kernel the warm-up did not reach, and
-seconds of compiling land inside its time (a unit of 8.9 s instead of 0.3 s was seen). numba
+seconds of compiling land inside its time (docs/measurements.md, 2026-12-07). numba
 announces every real compile (a cache miss) as a ``numba:compile`` event; `CompileWatch`
 counts them and their time around one decode, so the row says what ran, and a run whose timed
 units compiled is flagged instead of silently reported.
