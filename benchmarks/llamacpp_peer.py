@@ -1,7 +1,12 @@
 """recap against the engine CPU users run instead: llama.cpp on the very GGUF file, paired.
 
-    pip install llama-cpp-python==0.3.36   # a source build, about 5 minutes; not a project dependency
+    CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python==0.3.36   # a source build, ~5 minutes
     python benchmarks/llamacpp_peer.py --data ../shared/data/mmspec --limit 2 --threads 1,2
+
+(llama-cpp-python is not a project dependency.) Where the CPU reports AMX but its tile
+instructions fault (an Intel KVM guest here: SIGILL in ``ggml_backend_amx_mul_mat`` at the
+first prompt), build without them: add ``-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8
+-mno-amx-bf16'`` and the same ``-DCMAKE_CXX_FLAGS`` to ``CMAKE_ARGS``.
 
 For each thread count, every unit (MMSpec first turns, ``--limit`` per topic, the chat
 template's prompt token ids, identical for every engine) is decoded greedily for up to
@@ -22,9 +27,11 @@ weights shared one scope, so one that ran after another on a unit skipped most o
 prefill); each row records the prompt tokens our method copied from its cache; recap's
 cost profile is measured before llama.cpp's threads exist; tokens/s is new tokens
 over the whole call (prompt processing included), ratios are per unit (paired) and
-averaged, and it reports how often each llama.cpp output equals llama.cpp's own plain
-greedy output and how often it equals ours (llama.cpp's CPU kernels are not
-batch-invariant: its speculation may change its answers). Thread counts are set
+averaged; each call's time to its first token (the prompt's prefill and one token) is
+recorded apart, with tokens/s after it, to show which half of a call an engine wins; and
+it reports how often each llama.cpp output equals llama.cpp's own plain greedy output and
+how often it equals ours (llama.cpp's CPU kernels are not batch-invariant: its speculation
+may change its answers). Thread counts are set
 (torch, numba, llama.cpp) and read back after each pass; a pass whose counts differ is
 refused. numba compiles inside a timed call of ours (a cold cache, a kernel edited since the
 last run) are recorded per row and warned about (`recap.bench.compiles`). Writes ``--out``
@@ -55,16 +62,19 @@ def _llama(path: Path, threads: int, speculative: bool):
     return Llama(str(path), **options)
 
 
-def _llama_generate(llm, prompt: list[int], limit: int, stops: set[int]) -> tuple[list[int], float]:
+def _llama_generate(llm, prompt: list[int], limit: int, stops: set[int]) -> tuple[list[int], float, float]:
+    """Tokens, seconds for the whole call, seconds to the first token (the prompt's prefill)."""
     started = time.perf_counter()
+    first_s = 0.0
     out: list[int] = []
     for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        first_s = first_s or time.perf_counter() - started
         if token in stops:
             break
         out.append(int(token))
         if len(out) >= limit:
             break
-    return out, time.perf_counter() - started
+    return out, time.perf_counter() - started, first_s
 
 
 def main() -> int:
@@ -110,7 +120,7 @@ def main() -> int:
         compiled: dict = {}
 
         def run(label: str, index: int, engines=engines, ours=ours, prompts=prompts, stops=stops,
-                streams=streams, reused=reused, compiled=compiled) -> tuple[list[int], float]:
+                streams=streams, reused=reused, compiled=compiled) -> tuple[list[int], float, float]:
             if label in engines:
                 return _llama_generate(engines[label], list(prompts[index].prompt_ids), args.max_new_tokens, stops)
             target, method = ours[label]
@@ -122,7 +132,7 @@ def main() -> int:
                 out = decode(target, proposer, prompts[index], max_new_tokens=args.max_new_tokens)
             reused[label] = target.prefix_cache.reused_tokens - before
             compiled[label] = watch.fields()
-            return list(out.tokens), out.total_s
+            return list(out.tokens), out.total_s, out.prefill_s
 
         for label in labels:  # warm-up: compile, first allocations, profiles
             run(label, 0)
@@ -133,8 +143,9 @@ def main() -> int:
             row = {"unit": unit.key, "topic": unit.topic}
             for label in order:
                 time.sleep(SETTLE_S)  # untimed: the other engine's worker threads stop spinning
-                tokens, seconds = run(label, index)
-                row[label] = {"tokens": tokens, "s": seconds, "tok_s": len(tokens) / seconds,
+                tokens, seconds, first_s = run(label, index)
+                row[label] = {"tokens": tokens, "s": seconds, "tok_s": len(tokens) / seconds, "first_s": first_s,
+                              "after_first_tok_s": max(len(tokens) - 1, 0) / max(seconds - first_s, 1e-9),
                               "prompt": len(prompts[index].prompt_ids)}
                 if label in ours:
                     row[label]["reused_prompt_tokens"] = reused[label]
@@ -150,7 +161,11 @@ def main() -> int:
                       or row["recap"]["tokens"] != row["ar"]["tokens"] or row["pld"]["tokens"] != row["ar"]["tokens"]]
         summary = {label: {"tok_s": statistics.mean(row[label]["tok_s"] for row in rows),
                            "vs_llama_cpp": statistics.mean(row[label]["tok_s"] / row["llama.cpp"]["tok_s"]
-                                                           for row in rows)} for label in labels}
+                                                           for row in rows),
+                           "first_ms": 1000 * statistics.mean(row[label]["first_s"] for row in rows),
+                           "after_first_vs_llama_cpp": statistics.mean(
+                               row[label]["after_first_tok_s"] / row["llama.cpp"]["after_first_tok_s"] for row in rows)}
+                   for label in labels}
         for label in ours:
             summary[label]["prompt_reused"] = sum(row[label]["reused_prompt_tokens"] for row in rows) / \
                 sum(row[label]["prompt"] for row in rows)
@@ -168,14 +183,15 @@ def main() -> int:
     for entry in result["passes"]:
         print(f"\n{args.model} ({path.name}), {len(units)} units, {args.max_new_tokens} new tokens, "
               f"{entry['threads']} thread(s) (read back: {entry['threads_ran']})\n")
-        print("| engine | tok/s | vs llama.cpp (paired) | same as llama.cpp greedy | same as ours | "
-              "prompt rows from its own cache |")
-        print("| --- | --- | --- | --- | --- | --- |")
+        print("| engine | tok/s | vs llama.cpp (paired) | first token, ms | after it, vs llama.cpp | "
+              "same as llama.cpp greedy | same as ours | prompt rows from its own cache |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for label, data in entry["summary"].items():
             same = [f"{data[key]}/{len(units)}" if key in data else "" for key in ("same_as_llama_cpp_greedy",
                                                                                   "same_as_ours")]
             share = f"{data['prompt_reused']:.0%}" if "prompt_reused" in data else ""
-            print(f"| {label} | {data['tok_s']:.1f} | {data['vs_llama_cpp']:.2f}x | {same[0]} | {same[1]} | {share} |")
+            print(f"| {label} | {data['tok_s']:.1f} | {data['vs_llama_cpp']:.2f}x | {data['first_ms']:.0f} | "
+                  f"{data['after_first_vs_llama_cpp']:.2f}x | {same[0]} | {same[1]} | {share} |")
         if entry["mismatched_units"]:
             print(f"\nMISMATCH: our methods differ from ar on {entry['mismatched_units']}")
         if entry["compiled_units"]:

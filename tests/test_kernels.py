@@ -272,13 +272,13 @@ def test_every_block_computes_the_written_order(in_features, dtype):
     weight = torch.from_numpy(rng.standard_normal((26, in_features), dtype=np.float32)).to(getattr(torch, dtype))
     bits = weight.numpy() if dtype == "float32" else weight.view(torch.int16).numpy().view(np.uint16)
     wide, bias = weight.float().numpy(), rng.standard_normal(26).astype(np.float32)
-    x = rng.standard_normal((12, in_features), dtype=np.float32)
+    x = rng.standard_normal((16, in_features), dtype=np.float32)
     expected = np.array([[np.float32(lanes.reference_dot(row, column) + b) for column, b in zip(wide, bias)]
                          for row in x])
     for weight_rows in (3, 4):
         layer = Linear(bits, bias, float16=dtype == "float16", weight_rows=weight_rows)
-        for rows in (1, 2, 3, 4, 5, 6, 9, 10, 12):
-            got = layer(x, np.zeros((12, 26), np.float32), rows)[:rows]
+        for rows in (1, 2, 3, 4, 5, 6, 9, 10, 12, 16):  # 9-16: the 4x8 block (and a 4x4 after it)
+            got = layer(x, np.zeros((16, 26), np.float32), rows)[:rows]
             assert got.tobytes() == expected[:rows].tobytes(), (weight_rows, rows)
     with pytest.raises(ValueError):
         Linear(bits, bias, weight_rows=2)
@@ -387,6 +387,11 @@ def _reordered(name: str):
             real(x, w, bias, out, rows, remainders)
             if remainders and rows > 4 and rows % 4 in (1, 2):
                 out[rows - rows % 4:rows] = _float64_rows(x, w, bias, rows - rows % 4, rows)
+    elif name == "linear4x4":  # one row of the 4x8 block (steps of 8 rows and more)
+        def kernel(x, w, bias, out, rows):
+            real(x, w, bias, out, rows)
+            if rows >= 8:
+                out[5] = _float64_rows(x, w, bias, 5, 6)[0]
     else:  # the second row of a 2-row block
         def kernel(x, w, bias, out):
             real(x, w, bias, out)
@@ -394,14 +399,15 @@ def _reordered(name: str):
     return kernel
 
 
-@pytest.mark.parametrize("name", ["linear8x2", "linear3x4_few", "linear3x4"])
+@pytest.mark.parametrize("name", ["linear8x2", "linear3x4_few", "linear3x4", "linear4x4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_block_out_of_the_written_order_is_refused(name, dtype, monkeypatch):
     """The load-time check can fail: a block that sums some rows in another order (float64,
     then rounded) makes `blocks_agree` false, and `Linear` refuses to load rather than give a
     step other bits than another block would."""
     uncached = {check: getattr(kernel_linear, check).__wrapped__ for check in
-                ("blocks_agree", "small_rows_exact", "few_rows_exact", "remainder_rows_exact")}
+                ("blocks_agree", "small_rows_exact", "few_rows_exact", "remainder_rows_exact",
+                 "paired_rows_exact")}
     assert uncached["blocks_agree"](96, dtype) and uncached["blocks_agree"](37, dtype)
     for check, function in uncached.items():
         monkeypatch.setattr(kernel_linear, check, function)

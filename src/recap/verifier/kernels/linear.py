@@ -55,6 +55,7 @@ from recap.verifier.kernels.lanes import LANES
 from recap.verifier.kernels.register_blocks import (  # noqa: F401 - the constants are part of this module's API
     CHUNK,
     COL_BLOCK,
+    PAIRED_ROWS,
     PANEL,
     ROW_BLOCK,
     SMALL_COL_BLOCK,
@@ -62,6 +63,8 @@ from recap.verifier.kernels.register_blocks import (  # noqa: F401 - the constan
     _block1,
     _block3,
     _block4,
+    _rows4,
+    paired_rows,
 )
 from recap.verifier.kernels.widen import BFLOAT16_STORAGE, FLOAT16_STORAGE, storage
 
@@ -317,14 +320,14 @@ def _remainder(x, w, first, last, third, m0, rest, out, bias):  # pragma: no cov
 def linear4x4(x, w, bias, out, rows):  # pragma: no cover - compiled
     """x: (Mp, K) f32, w: (N, K) as stored (float32, or 16-bit float bits: `widen`), bias:
     (N,) or (0,) f32, out: (Mp, N) f32; the first ``rows`` rows (a multiple of 4, <= Mp) are
-    computed."""
+    computed: each multiple of 8 on the 4x8 block, a last 4 on the 4x4 block."""
     quarter = w.shape[0] // COL_BLOCK
     tasks = -(-quarter // CHUNK)
+    paired = paired_rows(x, rows)
     for task in prange(tasks):
         for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
             n1, n2, n3 = q + quarter, q + 2 * quarter, q + 3 * quarter
-            for m0 in range(0, rows, ROW_BLOCK):
-                _block4(x, m0, w, (q, n1, n2, n3), out, (q, n1, n2, n3), bias)
+            _rows4(paired, x, rows, w, (q, n1, n2, n3), out, (q, n1, n2, n3), bias)
     for n in range(quarter * COL_BLOCK, w.shape[0]):
         for m0 in range(0, rows, ROW_BLOCK):
             _block1(x, m0, w, n, out, n, bias)
@@ -610,6 +613,28 @@ def remainder_rows_exact(in_features: int, kind: str = "float32") -> bool:
     return all(results[rows][:rows].tobytes() == results[8][:rows].tobytes() for rows in (5, 6))
 
 
+def _rows_in_fours(x: np.ndarray, stored: np.ndarray, bias: np.ndarray) -> np.ndarray:
+    """x's rows through the 4x4 block, 4 rows at a time (the reference for longer steps)."""
+    return np.concatenate([_four_rows(x[m:m + ROW_BLOCK], stored, bias) for m in range(0, len(x), ROW_BLOCK)])
+
+
+def _twelve_rows(rng: np.random.Generator, in_features: int) -> np.ndarray:
+    """12 token rows: a step on the 4x8 block (8 rows) and the 4x4 block (4)."""
+    return rng.standard_normal((PAIRED_ROWS + ROW_BLOCK, in_features), dtype=np.float32)
+
+
+@functools.cache
+def paired_rows_exact(in_features: int, kind: str = "float32") -> bool:
+    """Whether a 12-row step of `linear4x4` (rows 0-7 on the 4x8 block, 8-11 on the 4x4
+    block) gives, bit for bit, what the 4x4 block gives each 4 of its rows alone (see
+    `small_rows_exact`), over two parallel tasks and the last N mod 4 columns."""
+    stored, bias, _ = _sample(in_features, 4 * (CHUNK + 1) + 3, kind)
+    x = _twelve_rows(np.random.default_rng(in_features + 1), in_features)
+    out = np.zeros((len(x), len(stored)), np.float32)
+    linear4x4(x, stored, bias, out, len(x))
+    return out.tobytes() == _rows_in_fours(x, stored, bias).tobytes()
+
+
 @functools.cache
 def blocks_agree(in_features: int, kind: str = "float32") -> bool:
     """Whether every register block gives the 4x4 block's bits on random dot products of
@@ -621,7 +646,8 @@ def blocks_agree(in_features: int, kind: str = "float32") -> bool:
     four, three = _four_rows(x, stored, bias), np.zeros((ROW_BLOCK, len(stored)), np.float32)
     linear3x4(x, stored, bias, three, ROW_BLOCK, False)
     return (three.tobytes() == four.tobytes() and small_rows_exact(in_features, kind)
-            and few_rows_exact(in_features, kind) and remainder_rows_exact(in_features, kind))
+            and few_rows_exact(in_features, kind) and remainder_rows_exact(in_features, kind)
+            and paired_rows_exact(in_features, kind))
 
 
 @functools.cache
@@ -649,4 +675,8 @@ def stored_blocks_agree(in_features: int, kind: str) -> bool:
         panels = np.zeros((ROW_BLOCK, columns), np.float32)
         quantized_linear.linear_panels(x, stored, bias, panels, ROW_BLOCK, weight_rows)
         ok &= panels.tobytes() == want.tobytes()
+    x = _twelve_rows(rng, in_features)  # the 4x8 block over the panels, then the 4x4
+    panels = np.zeros((len(x), columns), np.float32)
+    quantized_linear.linear_panels(x, stored, bias, panels, len(x), 4)
+    ok &= panels.tobytes() == _rows_in_fours(x, quantized.dequantize(stored), bias).tobytes()
     return bool(ok)

@@ -15,7 +15,7 @@ float layer's, bit for bit; only the bytes read differ. Three shapes:
   the 32 vector registers of AVX-512).
 - **More rows** (`linear_panels`): a group of `linear.COL_BLOCK` (or 3) weight rows spread
   over the matrix is de-quantised once into a small float32 panel that stays in L1, then the
-  float 4x4 (or 3x4) block runs every 4-row block of the step over it: each weight is
+  float 4x8 and 4x4 blocks (or the 3x4 block) run the step's rows over it: each weight is
   de-quantised once a step however many rows verify.
 """
 
@@ -26,7 +26,15 @@ from numba import njit, prange
 
 from recap.verifier.kernels import lanes
 from recap.verifier.kernels.lanes import GROUPS, LANES
-from recap.verifier.kernels.register_blocks import CHUNK, COL_BLOCK, ROW_BLOCK, _block1, _block3, _block4
+from recap.verifier.kernels.register_blocks import (
+    CHUNK,
+    COL_BLOCK,
+    ROW_BLOCK,
+    _block1,
+    _block3,
+    _rows4,
+    paired_rows,
+)
 
 BLOCK = GROUPS * LANES
 """Weights a pass reads per weight row: one block of the 32-weight formats."""
@@ -232,19 +240,19 @@ def linear_three(x, w0, w1, w2, b0, b1, b2, o0, o1, o2, rows):  # pragma: no cov
 def linear_panels(x, w, bias, out, rows, weight_rows):  # pragma: no cover - compiled
     """``out[:rows] = x[:rows] @ dequantised(w).T + bias`` for ``rows`` a multiple of 4 (x and
     out hold them): per group of ``weight_rows`` (4 or 3) weight rows q, q + N/wr, ..., their
-    weights de-quantised once into a float32 panel, then the 4x4 (or 3x4) float block over
-    every 4-row block of tokens; the last N mod wr columns one weight row at a time."""
+    weights de-quantised once into a float32 panel, then the float 4x8 / 4x4 blocks (or the
+    3x4 block) over the step's tokens; the last N mod wr columns one weight row at a time."""
     span = w.shape[0] // weight_rows
     width = x.shape[1]
     tasks = -(-span // CHUNK)
+    paired = paired_rows(x, rows if weight_rows == 4 else 0)
     for task in prange(tasks):
         panel = np.empty((weight_rows, width), np.float32)
         for q in range(task * CHUNK, min(span, (task + 1) * CHUNK)):
             for slot in range(weight_rows):
                 _unpack(w, q + slot * span, panel, slot)
             if weight_rows == 4:
-                for m0 in range(0, rows, ROW_BLOCK):
-                    _block4(x, m0, panel, (0, 1, 2, 3), out, (q, q + span, q + 2 * span, q + 3 * span), bias)
+                _rows4(paired, x, rows, panel, (0, 1, 2, 3), out, (q, q + span, q + 2 * span, q + 3 * span), bias)
             else:
                 for m0 in range(0, rows, ROW_BLOCK):
                     _block3(x, m0, panel, (0, 1, 2), out, (q, q + span, q + 2 * span), bias)

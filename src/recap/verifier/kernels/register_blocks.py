@@ -1,13 +1,14 @@
-"""The float register blocks every linear kernel is built from: 4x4, 3x4 and one weight row
-by 4 token rows, each dot product in `lanes` order (`linear` explains the layouts; the
+"""The float register blocks every linear kernel is built from: 4x8, 4x4, 3x4 and one weight
+row by 4 token rows, each dot product in `lanes` order (`linear` explains the layouts; the
 blocks over stored GGUF weights in `quantized_linear` run these over de-quantised panels).
 Their own module so both kernels' modules import them without importing each other."""
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit
 
-from recap.verifier.kernels import lanes
+from recap.verifier.kernels import lanes, pairs
 from recap.verifier.kernels.lanes import LANES
 
 ROW_BLOCK = 4
@@ -22,6 +23,9 @@ CHUNK = 8
 """Column blocks per parallel task."""
 PANEL = 8
 """3x4 block: weight-row groups computed for one 4-row block of tokens before the next."""
+PAIRED_ROWS = 8
+"""Token rows of the 4x8 block (`_block4x8`): steps of 8 rows and more run their first
+multiple of 8 rows on it, the last 4 (if any) on the 4x4 block."""
 
 
 
@@ -192,3 +196,88 @@ def _block3(x, m0, w, rows, out, columns, bias):  # pragma: no cover - compiled
     lanes.store(out, m0 + 1, n2, a21, bias)
     lanes.store(out, m0 + 2, n2, a22, bias)
     lanes.store(out, m0 + 3, n2, a23, bias)
+
+
+@njit(inline="always")
+def _finish_pair(acc, x, m, w, w_row, full, out, n, bias):  # pragma: no cover - compiled
+    # token rows m and m + 1 of a pair accumulator: their tails (past ``full``) and results
+    lanes.store(out, m, n, lanes.fma_tail_rows(pairs.low(acc), x, m, w, w_row, full), bias)
+    lanes.store(out, m + 1, n, lanes.fma_tail_rows(pairs.high(acc), x, m + 1, w, w_row, full), bias)
+
+
+@njit(inline="always")
+def _block4x8(paired, x, m0, w, rows, out, columns, bias):  # pragma: no cover - compiled
+    # `_block4` for 8 token rows m0 .. m0 + 7 (m0 even), read from ``paired`` (`pairs.interleave`
+    # of x: pair j holds rows 2j and 2j + 1); x itself only for the tails. a<i><j> holds weight
+    # row i x token rows m0 + 2j and m0 + 2j + 1: 16 accumulators of 16 floats, each half the
+    # `_block4` accumulator of its row, operation for operation (`pairs`).
+    w0, w1, w2, w3 = rows
+    n0, n1, n2, n3 = columns
+    j0 = m0 // 2
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = pairs.zeros()
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = pairs.zeros()
+    full = lanes.whole(x.shape[1])
+    for k in range(0, full, LANES):
+        lanes.keep_rolled()
+        u0 = pairs.load_twice(w, w0, k)
+        u1 = pairs.load_twice(w, w1, k)
+        u2 = pairs.load_twice(w, w2, k)
+        u3 = pairs.load_twice(w, w3, k)
+        p = pairs.load(paired, j0, k)
+        a00 = pairs.fma(p, u0, a00)
+        a10 = pairs.fma(p, u1, a10)
+        a20 = pairs.fma(p, u2, a20)
+        a30 = pairs.fma(p, u3, a30)
+        p = pairs.load(paired, j0 + 1, k)
+        a01 = pairs.fma(p, u0, a01)
+        a11 = pairs.fma(p, u1, a11)
+        a21 = pairs.fma(p, u2, a21)
+        a31 = pairs.fma(p, u3, a31)
+        p = pairs.load(paired, j0 + 2, k)
+        a02 = pairs.fma(p, u0, a02)
+        a12 = pairs.fma(p, u1, a12)
+        a22 = pairs.fma(p, u2, a22)
+        a32 = pairs.fma(p, u3, a32)
+        p = pairs.load(paired, j0 + 3, k)
+        a03 = pairs.fma(p, u0, a03)
+        a13 = pairs.fma(p, u1, a13)
+        a23 = pairs.fma(p, u2, a23)
+        a33 = pairs.fma(p, u3, a33)
+    _finish_pair(a00, x, m0, w, w0, full, out, n0, bias)
+    _finish_pair(a01, x, m0 + 2, w, w0, full, out, n0, bias)
+    _finish_pair(a02, x, m0 + 4, w, w0, full, out, n0, bias)
+    _finish_pair(a03, x, m0 + 6, w, w0, full, out, n0, bias)
+    _finish_pair(a10, x, m0, w, w1, full, out, n1, bias)
+    _finish_pair(a11, x, m0 + 2, w, w1, full, out, n1, bias)
+    _finish_pair(a12, x, m0 + 4, w, w1, full, out, n1, bias)
+    _finish_pair(a13, x, m0 + 6, w, w1, full, out, n1, bias)
+    _finish_pair(a20, x, m0, w, w2, full, out, n2, bias)
+    _finish_pair(a21, x, m0 + 2, w, w2, full, out, n2, bias)
+    _finish_pair(a22, x, m0 + 4, w, w2, full, out, n2, bias)
+    _finish_pair(a23, x, m0 + 6, w, w2, full, out, n2, bias)
+    _finish_pair(a30, x, m0, w, w3, full, out, n3, bias)
+    _finish_pair(a31, x, m0 + 2, w, w3, full, out, n3, bias)
+    _finish_pair(a32, x, m0 + 4, w, w3, full, out, n3, bias)
+    _finish_pair(a33, x, m0 + 6, w, w3, full, out, n3, bias)
+
+
+@njit(inline="always")
+def paired_rows(x, rows):  # pragma: no cover - compiled
+    """`pairs.interleave` of the first multiple of `PAIRED_ROWS` of x's ``rows`` rows: what
+    `_rows4` reads them from (a copy of M x K floats, against the M x N x K multiply-adds)."""
+    eights = rows - rows % PAIRED_ROWS
+    paired = np.empty((eights // 2, 2 * x.shape[1]), np.float32)
+    pairs.interleave(x, eights, paired)
+    return paired
+
+
+@njit(inline="always")
+def _rows4(paired, x, m_end, w, rows, out, columns, bias):  # pragma: no cover - compiled
+    # token rows 0 .. m_end - 1 (a multiple of 4) against one group of 4 weight rows: the
+    # 4x8 block over the first multiple of 8 rows (x interleaved into ``paired`` for them),
+    # the 4x4 block over the last 4 if any
+    eights = m_end - m_end % PAIRED_ROWS
+    for m0 in range(0, eights, PAIRED_ROWS):
+        _block4x8(paired, x, m0, w, rows, out, columns, bias)
+    for m0 in range(eights, m_end, ROW_BLOCK):
+        _block4(x, m0, w, rows, out, columns, bias)

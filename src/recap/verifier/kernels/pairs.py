@@ -1,0 +1,141 @@
+"""Two token rows' `lanes` partial sums in one vector: the 4x8 register block's operands.
+
+Why: a core with two full-width 512-bit multiply-add units (Intel's AVX-512 server cores)
+does twice the arithmetic a cycle on 16 floats that it does on `LANES` (8). The partial sums
+of a dot product are 8 by definition (`lanes`: part of every logit's bits), so the wider
+vector holds the 8 partial sums of *two* token rows side by side: lanes 0-7 are row j's, lanes
+8-15 row j + 1's, each half the very `Lanes` value the 4x4 block would hold, operation for
+operation (an LLVM vector operation is one IEEE operation per lane). Nothing is summed across
+the halves until `low` / `high` split them back into `Lanes`, so the bits are the 4x4 block's
+by construction; `linear.blocks_agree` checks it once per width and dtype anyway.
+
+A pair reads its two rows from a pair-interleaved copy of the step's x (`interleave`: for each
+group of `LANES` elements, row j's then row j + 1's), so one aligned-size load fills it; each
+weight row's `LANES` weights are loaded once and repeated into both halves (`load_twice`).
+On a core that runs 512-bit operations as two 256-bit halves (Zen 4) the block does the same
+arithmetic as two 4x4 blocks with fewer loads; on 16-register CPUs (AVX2) it is not used
+(`linear.WEIGHT_ROWS` 3).
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+from recap.verifier.kernels import lanes, llvm_ops
+from recap.verifier.kernels.lanes import LANES
+
+WIDTH = 2 * LANES
+"""Floats in a `Pair`: two token rows' partial sums."""
+
+_FLOAT = ir.FloatType()
+_PAIR = ir.VectorType(_FLOAT, WIDTH)
+_I32 = ir.IntType(32)
+
+
+class Pair(types.Type):
+    """numba's type of two token rows' `LANES` partial sums held in one LLVM vector."""
+
+    def __init__(self):
+        super().__init__(name=f"Pair{WIDTH}xf32")
+
+
+pair_type = Pair()
+
+
+@register_model(Pair)
+class _PairModel(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _PAIR)
+
+
+@intrinsic
+def zeros(typingctx):  # pragma: no cover - compiled
+    """Two rows' `LANES` partial sums of +0."""
+    def codegen(context, builder, signature, args):
+        return ir.Constant(_PAIR, [0.0] * WIDTH)
+    return pair_type(), codegen
+
+
+@intrinsic
+def load(typingctx, pairs, pair, start):  # pragma: no cover - compiled
+    """Elements ``start .. start + LANES - 1`` of both rows of pair ``pair`` of an `interleave`d
+    x (``pairs[pair, 2 start : 2 start + WIDTH]``); the caller keeps it in bounds."""
+    if not (isinstance(pairs, types.Array) and pairs.ndim == 2 and pairs.layout == "C"
+            and pairs.dtype == types.float32 and isinstance(pair, types.Integer) and isinstance(start, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array_type, pair_index_type, start_type = signature.args
+        column = builder.mul(context.cast(builder, args[2], start_type, types.intp), ir.Constant(cgutils.intp_t, 2))
+        index = lanes._flat_index(context, builder, array_type, args[0], args[1], pair_index_type, column, types.intp)
+        data = context.make_array(array_type)(context, builder, value=args[0]).data
+        pointer = builder.gep(data, [index], inbounds=True, source_etype=_FLOAT)
+        return builder.load(builder.bitcast(pointer, _PAIR.as_pointer()), align=4)
+
+    return pair_type(pairs, pair, start), codegen
+
+
+@intrinsic
+def load_twice(typingctx, array, row, start):  # pragma: no cover - compiled
+    """``array[row, start:start + LANES]`` as `lanes.load_row` reads it (16-bit floats
+    widened), in both halves."""
+    if not (isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C"
+            and array.dtype in lanes._WIDTHS and isinstance(row, types.Integer) and isinstance(start, types.Integer)):
+        return None
+    kind = lanes._WIDTHS[array.dtype]
+
+    def codegen(context, builder, signature, args):
+        array_type, row_type, start_type = signature.args
+        index = lanes._flat_index(context, builder, array_type, args[0], args[1], row_type, args[2], start_type)
+        value = lanes._load(context, builder, array_type, args[0], index, LANES, kind)
+        return builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(_I32, WIDTH), list(range(LANES)) * 2))
+
+    return pair_type(array, row, start), codegen
+
+
+@intrinsic
+def fma(typingctx, a, b, c):  # pragma: no cover - compiled
+    """``a * b + c`` per lane, rounded once (each half: `lanes.fma`)."""
+    if not (a == pair_type and b == pair_type and c == pair_type):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return llvm_ops.fma(builder, *args)
+
+    return pair_type(pair_type, pair_type, pair_type), codegen
+
+
+def _half(first: int):
+    @intrinsic
+    def half(typingctx, pair):  # pragma: no cover - compiled
+        if pair != pair_type:
+            return None
+
+        def codegen(context, builder, signature, args):
+            picks = ir.Constant(ir.VectorType(_I32, LANES), list(range(first, first + LANES)))
+            return builder.shuffle_vector(args[0], args[0], picks)
+
+        return lanes.lanes_type(pair), codegen
+    return half
+
+
+low = _half(0)
+"""The first row's `Lanes` of a pair."""
+high = _half(LANES)
+"""The second row's `Lanes` of a pair."""
+
+
+@njit(inline="always")
+def interleave(x, rows, pairs):  # pragma: no cover - compiled
+    """``pairs[j]`` = rows 2j and 2j + 1 of x (f32, (>= rows, K)) interleaved by groups of
+    `LANES` (row 2j's group, then row 2j + 1's), for 2j < ``rows`` (even); elements past the
+    last whole group are not copied (the blocks read them from x: `lanes.fma_tail_rows`)."""
+    full = lanes.whole(x.shape[1])
+    for j in range(rows // 2):
+        for k in range(0, full, LANES):
+            for i in range(LANES):
+                pairs[j, 2 * k + i] = x[2 * j, k + i]
+                pairs[j, 2 * k + LANES + i] = x[2 * j + 1, k + i]
