@@ -71,9 +71,7 @@ def load(typingctx, pairs, pair, start):  # pragma: no cover - compiled
         array_type, pair_index_type, start_type = signature.args
         column = builder.mul(context.cast(builder, args[2], start_type, types.intp), ir.Constant(cgutils.intp_t, 2))
         index = lanes._flat_index(context, builder, array_type, args[0], args[1], pair_index_type, column, types.intp)
-        data = context.make_array(array_type)(context, builder, value=args[0]).data
-        pointer = builder.gep(data, [index], inbounds=True, source_etype=_FLOAT)
-        return builder.load(builder.bitcast(pointer, _PAIR.as_pointer()), align=4)
+        return lanes._load(context, builder, array_type, args[0], index, WIDTH, None)
 
     return pair_type(pairs, pair, start), codegen
 
