@@ -17,9 +17,10 @@ from numba import njit
 
 import recap
 from recap.errors import InputError
-from recap.verifier.kernels import FastDecoder, lanes, quantized
+from recap.verifier.kernels import FastDecoder, lanes, pairs, quantized, quantized_linear
+from recap.verifier.kernels import linear as kernel_linear
 from recap.verifier.kernels.lanes import LANES
-from recap.verifier.kernels.linear import Linear, SameInput
+from recap.verifier.kernels.linear import KernelDefect, Linear, SameInput
 from recap.verifier.kernels.stored import StoredWeights, WeightsMismatch
 from tests.conftest import TINY_MODELS, load_target
 from tests.helpers import assert_drafted, step_logits
@@ -39,9 +40,29 @@ def _by_block(stored, out):  # pragma: no cover - compiled
                     out[row, k + g * LANES + i] = lanes.lane(groups[g], i)
 
 
-def _kernel_weights(stored: np.ndarray) -> np.ndarray:
+@njit  # not cached, as `_by_block`
+def _by_pairs(stored, out):  # pragma: no cover - compiled
+    # every weight through `pairs.load_blocks`, rows r and N - 1 - r side by side (N even)
+    n = stored.shape[0]
+    for first in range(n // 2):
+        second = n - 1 - first
+        for k in range(0, out.shape[1], 4 * LANES):
+            groups = pairs.load_blocks(stored, first, second, k)
+            for g in range(4):
+                low, high = pairs.low(groups[g]), pairs.high(groups[g])
+                for i in range(LANES):
+                    out[first, k + g * LANES + i] = lanes.lane(low, i)
+                    out[second, k + g * LANES + i] = lanes.lane(high, i)
+
+
+READERS = {"block": _by_block, "pairs": _by_pairs}
+"""The two ways the kernels de-quantise: one weight row a vector (`lanes.load_block`) and two
+side by side (`pairs.load_blocks`, the 8-weight-row blocks)."""
+
+
+def _kernel_weights(stored: np.ndarray, reader: str = "block") -> np.ndarray:
     out = np.full((len(stored), quantized.weights_per_row(stored)), np.nan, np.float32)
-    _by_block(stored, out)
+    READERS[reader](stored, out)
     return out
 
 
@@ -61,14 +82,15 @@ def _every_byte(stored: np.ndarray) -> np.ndarray:
     return stored
 
 
+@pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("name", FORMATS)
-def test_every_format_dequantises_to_the_bits_of_gguf(name):
+def test_every_format_dequantises_to_the_bits_of_gguf(name, reader):
     rng = np.random.default_rng(len(name))
     stored = quantized.random_blocks(rng, 48, 256 * 2, name)
     for blocks in (stored, _every_byte(stored)):
         expected = quantized.dequantize(blocks)
         assert np.isfinite(expected).all()
-        np.testing.assert_array_equal(_kernel_weights(blocks).view(np.uint32), expected.view(np.uint32))
+        np.testing.assert_array_equal(_kernel_weights(blocks, reader).view(np.uint32), expected.view(np.uint32))
     scales = stored[f"{name.lower()}_d"].view(np.float16)
     assert (np.abs(scales) < np.float16(6.1e-5)).any(), "no subnormal float16 scale was exercised"
 
@@ -121,8 +143,9 @@ def test_real_blocks_dequantise_to_the_bits_of_gguf(file, tensor, kind):
     found, raw = weights.tensors[tensor]
     assert found == kind
     stored = quantized.blocks(raw, kind)[:512]
-    np.testing.assert_array_equal(_kernel_weights(stored).view(np.uint32),
-                                  quantized.dequantize(stored).view(np.uint32))
+    for reader in READERS:
+        np.testing.assert_array_equal(_kernel_weights(stored, reader).view(np.uint32),
+                                      quantized.dequantize(stored).view(np.uint32), err_msg=reader)
 
 
 def _scale_through_bfloat16(builder, base, offset):
@@ -133,20 +156,21 @@ def _scale_through_bfloat16(builder, base, offset):
     return builder.bitcast(builder.and_(bits, ir.Constant(quantized._I32, 0xFFFF0000)), quantized._FLOAT)
 
 
-def _high_nibbles_first(builder, base, start, group, count):
+def _high_nibbles_first(builder, blocks, start, group, count):
     # a wrong layout: weights 0-15 read from the bytes' high nibbles
     swapped = builder.xor(group, ir.Constant(group.type, 2))
-    return _original_nibbles(builder, base, start, swapped, count)
+    return _original_nibbles(builder, blocks, start, swapped, count)
 
 
 _original_nibbles = quantized._nibbles
 
 
+@pytest.mark.parametrize("reader", READERS)
 @pytest.mark.parametrize("mistake", ["scale", "nibbles"])
-def test_a_wrong_dequantisation_is_caught(mistake, monkeypatch):
+def test_a_wrong_dequantisation_is_caught(mistake, reader, monkeypatch):
     """The comparison above can fail: a kernel compiled with a wrong widening of the scale,
     or with the block's nibbles in the other order, differs from ``gguf`` (the same fresh
-    compile without the mistake agrees)."""
+    compile without the mistake agrees), one row a vector or two."""
     stored = quantized.random_blocks(np.random.default_rng(3), 16, 64, "Q4_1")
     expected = quantized.dequantize(stored).view(np.uint32)
     for wrong in (False, True):
@@ -155,7 +179,7 @@ def test_a_wrong_dequantisation_is_caught(mistake, monkeypatch):
         elif wrong:
             monkeypatch.setattr(quantized, "_nibbles", _high_nibbles_first)
         out = np.zeros((16, 64), np.float32)
-        njit(_by_block.py_func)(stored, out)  # a fresh dispatcher: compiled now, with or without the mistake
+        njit(READERS[reader].py_func)(stored, out)  # a fresh dispatcher: compiled now, with or without the mistake
         assert np.array_equal(out.view(np.uint32), expected) != wrong
 
 
@@ -178,6 +202,37 @@ def test_a_layer_on_stored_blocks_gives_the_float_layers_bits(name, weight_rows)
         on_blocks(x, a, rows)
         on_floats(x, b, rows)
         np.testing.assert_array_equal(a[:rows].view(np.uint32), b[:rows].view(np.uint32), err_msg=f"{rows} rows")
+
+
+def _float64_row(x, w, bias, out, row):
+    """Row ``row`` of x @ dequantised(w).T + bias summed in float64, then rounded: another order."""
+    wide = x[row].astype(np.float64) @ quantized.dequantize(w).astype(np.float64).T
+    out[row, :len(w)] = (wide + bias if len(bias) else wide).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", ["linear_few", "linear_four"])
+def test_a_stored_block_out_of_the_written_order_is_refused(name, monkeypatch):
+    """The load-time check of the stored blocks can fail: the paired 8x1 / 8x2 blocks
+    (`linear_few`) or the 8x4 block (`linear_four`) with one token row summed in float64 make
+    `stored_blocks_agree` false, and `Linear` refuses the weights instead of giving other bits
+    than the float layer."""
+    check = kernel_linear.stored_blocks_agree.__wrapped__
+    assert check(96, "Q4_1")
+    real = getattr(quantized_linear, name)
+    if name == "linear_few":
+        def kernel(x, w, bias, out, rows, paired):
+            real(x, w, bias, out, rows, paired)
+            if paired:
+                _float64_row(x, w, bias, out, rows - 1)
+    else:
+        def kernel(x, w, bias, out):
+            real(x, w, bias, out)
+            _float64_row(x, w, bias, out, 3)
+    monkeypatch.setattr(quantized_linear, name, kernel)
+    monkeypatch.setattr(kernel_linear, "stored_blocks_agree", check)
+    assert not check(96, "Q4_1")
+    with pytest.raises(KernelDefect, match="lanes"):
+        Linear(quantized.random_blocks(np.random.default_rng(5), 60, 96, "Q4_1"), None)
 
 
 @pytest.mark.parametrize("name", FORMATS)

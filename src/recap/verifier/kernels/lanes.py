@@ -137,7 +137,7 @@ def load_block(typingctx, array, row, start):  # pragma: no cover - compiled
     def codegen(context, builder, signature, args):
         array_type, row_type, start_type = signature.args
         values = quantized.load_groups(context, builder, array_type, args[0],
-                                       context.cast(builder, args[1], row_type, types.intp),
+                                       [context.cast(builder, args[1], row_type, types.intp)],
                                        context.cast(builder, args[2], start_type, types.intp), GROUPS, LANES)
         return context.make_tuple(builder, signature.return_type, values)
 

@@ -441,7 +441,7 @@ class Linear:
             raise ValueError(f"this layer computes a {rows}-row step as {need} rows: x and out need as many")
         if self.blocks:
             if rows <= SMALL_ROWS:
-                quantized_linear.linear_few(x, self.weight, self.bias, out, rows)
+                quantized_linear.linear_few(x, self.weight, self.bias, out, rows, self.weight_rows == 4)
             elif rows <= ROW_BLOCK and self.weight_rows == 4:
                 quantized_linear.linear_four(x, self.weight, self.bias, out)
             else:
@@ -510,8 +510,11 @@ class SameInput:
         self.layers = layers
         first = layers[0]
         self.joined = all(isinstance(layer, Linear) and layer.blocks and layer.weight.dtype == first.weight.dtype
-                          and layer.in_features == first.in_features for layer in layers)
+                          and layer.in_features == first.in_features and layer.weight_rows == first.weight_rows
+                          for layer in layers)
         """Whether 1- and 2-row steps run as one kernel."""
+        self.paired = self.joined and first.weight_rows == 4
+        """Whether that kernel runs the layers' paired blocks (what each layer alone runs)."""
         self._weights: list[np.ndarray] = []
         self._biases: list[np.ndarray] = []
         if self.joined:
@@ -535,7 +538,7 @@ class SameInput:
         if len(x) < SMALL_ROWS or any(len(out) < SMALL_ROWS for out in outs):  # the kernel does not check bounds
             raise ValueError(f"these layers compute a {rows}-row step as {SMALL_ROWS} rows: x and outs need as many")
         quantized_linear.linear_three(x, *self._weights, *self._biases, *outs, *(self._no_rows,) * (3 - len(outs)),
-                                      rows)
+                                      rows, self.paired)
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
@@ -665,9 +668,10 @@ def stored_blocks_agree(in_features: int, kind: str) -> bool:
     want = _four_rows(x, quantized.dequantize(stored), bias)
     ok = True
     for rows in (1, 2):
-        few = np.zeros((ROW_BLOCK, columns), np.float32)
-        quantized_linear.linear_few(x, stored, bias, few, rows)
-        ok &= few[:rows].tobytes() == want[:rows].tobytes()
+        for paired in (True, False):
+            few = np.zeros((ROW_BLOCK, columns), np.float32)
+            quantized_linear.linear_few(x, stored, bias, few, rows, paired)
+            ok &= few[:rows].tobytes() == want[:rows].tobytes()
     four = np.zeros((ROW_BLOCK, columns), np.float32)
     quantized_linear.linear_four(x, stored, bias, four)
     ok &= four.tobytes() == want.tobytes()

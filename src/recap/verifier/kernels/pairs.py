@@ -1,20 +1,30 @@
-"""Two token rows' `lanes` partial sums in one vector: the 4x8 register block's operands.
+"""Two rows' `lanes` partial sums in one vector: the operands of the paired register blocks.
 
 Why: a core with two full-width 512-bit multiply-add units (Intel's AVX-512 server cores)
 does twice the arithmetic a cycle on 16 floats that it does on `LANES` (8). The partial sums
 of a dot product are 8 by definition (`lanes`: part of every logit's bits), so the wider
-vector holds the 8 partial sums of *two* token rows side by side: lanes 0-7 are row j's, lanes
-8-15 row j + 1's, each half the very `Lanes` value the 4x4 block would hold, operation for
-operation (an LLVM vector operation is one IEEE operation per lane). Nothing is summed across
-the halves until `low` / `high` split them back into `Lanes`, so the bits are the 4x4 block's
-by construction; `linear.blocks_agree` checks it once per width and dtype anyway.
+vector holds the 8 partial sums of *two* dot products side by side: lanes 0-7 are one's,
+lanes 8-15 the other's, each half the very `Lanes` value a `LANES`-wide block would hold,
+operation for operation (an LLVM vector operation is one IEEE operation per lane). Nothing
+is summed across the halves until `low` / `high` split them back into `Lanes`, so the bits
+are the unpaired blocks' by construction; `linear.blocks_agree` and
+`linear.stored_blocks_agree` check it once per width and weight format anyway.
 
-A pair reads its two rows from a pair-interleaved copy of the step's x (`interleave`: for each
-group of `LANES` elements, row j's then row j + 1's), so one aligned-size load fills it; each
-weight row's `LANES` weights are loaded once and repeated into both halves (`load_twice`).
-On a core that runs 512-bit operations as two 256-bit halves (Zen 4) the block does the same
-arithmetic as two 4x4 blocks with fewer loads; on 16-register CPUs (AVX2) it is not used
-(`linear.WEIGHT_ROWS` 3).
+Two ways to pair:
+
+- **Two token rows, one weight row** (`register_blocks._block4x8`, steps of 8 rows and more):
+  the pair reads its two rows from a pair-interleaved copy of the step's x (`interleave`: for
+  each group of `LANES` elements, row j's then row j + 1's), so one aligned-size load fills
+  it; each weight row's `LANES` weights are loaded once and repeated into both halves
+  (`load_twice`).
+- **Two weight rows, one token row** (`quantized_linear`'s 8x1, 8x2 and 8x4 blocks, steps of
+  1-4 rows on GGUF blocks): `load_blocks` de-quantises the same 32 weights of two weight
+  rows side by side, so a de-quantising operation widens 16 weights; the token row's x is
+  repeated into both halves (`load_twice`).
+
+On a core that runs 512-bit operations as two 256-bit halves (Zen 4) the blocks do the same
+arithmetic as the unpaired ones with fewer instructions; on 16-register CPUs (AVX2) they are
+not used (`linear.WEIGHT_ROWS` 3).
 """
 
 from __future__ import annotations
@@ -24,7 +34,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic, models, register_model
 
-from recap.verifier.kernels import lanes, llvm_ops
+from recap.verifier.kernels import lanes, llvm_ops, quantized
 from recap.verifier.kernels.lanes import LANES
 
 WIDTH = 2 * LANES
@@ -137,3 +147,27 @@ def interleave(x, rows, pairs):  # pragma: no cover - compiled
             for i in range(LANES):
                 pairs[j, 2 * k + i] = x[2 * j, k + i]
                 pairs[j, 2 * k + LANES + i] = x[2 * j + 1, k + i]
+
+
+@intrinsic
+def load_blocks(typingctx, array, first_row, second_row, start):  # pragma: no cover - compiled
+    """`lanes.load_block` of two weight rows side by side: weights ``start .. start + 31`` of
+    rows ``first_row`` (low halves) and ``second_row`` (high halves) of a stored GGUF block
+    tensor, de-quantised by the very operations `load_block` does for each row alone
+    (`quantized.load_groups`, one lane per weight): a tuple of `lanes.GROUPS` pairs. Twice
+    the weights per vector operation where 512-bit registers are whole."""
+    if not (isinstance(array, types.Array) and array.ndim == 2 and array.layout == "C"
+            and quantized.numba_format(array.dtype) is not None and isinstance(first_row, types.Integer)
+            and isinstance(second_row, types.Integer) and isinstance(start, types.Integer)):
+        return None
+    result = types.UniTuple(pair_type, lanes.GROUPS)
+
+    def codegen(context, builder, signature, args):
+        array_type, first_type, second_type, start_type = signature.args
+        rows = [context.cast(builder, args[1], first_type, types.intp),
+                context.cast(builder, args[2], second_type, types.intp)]
+        values = quantized.load_groups(context, builder, array_type, args[0], rows,
+                                       context.cast(builder, args[3], start_type, types.intp), lanes.GROUPS, LANES)
+        return context.make_tuple(builder, signature.return_type, values)
+
+    return result(array, first_row, second_row, start), codegen

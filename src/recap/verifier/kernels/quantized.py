@@ -148,33 +148,66 @@ def _intp(value: int) -> ir.Constant:
     return ir.Constant(cgutils.intp_t, value)
 
 
-def _bytes(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, count: int, shift: ir.Value, mask: int) -> ir.Value:
-    """``count`` bytes from ``base + offset`` as int32, each shifted right by ``shift`` (an
-    intp value) and masked with ``mask``."""
-    raw = builder.zext(_at(builder, base, offset, ir.VectorType(_I8, count)), ir.VectorType(_I32, count))
-    shifted = builder.lshr(raw, llvm_ops.broadcast(builder, builder.trunc(shift, _I32), count))
-    return builder.and_(shifted, ir.Constant(ir.VectorType(_I32, count), [mask] * count))
+Blocks = tuple[ir.Value, ...]
+"""i8 pointers to the blocks one vector reads, in lane order: each block (one weight row's, at
+the same column) fills ``count`` lanes. One block for a `Lanes` vector, two for a `pairs.Pair`
+(two weight rows side by side: every lane still holds its own row's weight)."""
 
 
-def _nibbles(builder: ir.IRBuilder, base: ir.Value, start: int, group: ir.Value, count: int) -> ir.Value:
-    """The 4-bit values of weights 8 group .. 8 group + 7 of a 32-weight block whose 16 bytes
-    start at ``base + start``: weights 0-15 are the bytes' low nibbles, 16-31 their high
-    ones (as ``gguf`` orders them); a vector of ``count`` int32."""
+def _concat(builder: ir.IRBuilder, parts: list[ir.Value]) -> ir.Value:
+    """Vectors of one type side by side (one part: itself; two: a shuffle)."""
+    if len(parts) == 1:
+        return parts[0]
+    first, second = parts  # a Lanes vector or a pair: at most two blocks
+    width = 2 * first.type.count
+    return builder.shuffle_vector(first, second, ir.Constant(ir.VectorType(_I32, width), list(range(width))))
+
+
+def _vector_at(builder: ir.IRBuilder, blocks: Blocks, offset: ir.Value | int, element: ir.Type,
+               count: int) -> ir.Value:
+    """``count`` values of type ``element`` at ``offset`` bytes into each block, side by side."""
+    return _concat(builder, [_at(builder, block, offset, ir.VectorType(element, count)) for block in blocks])
+
+
+def _spread(builder: ir.IRBuilder, values: list[ir.Value], count: int) -> ir.Value:
+    """Each block's scalar (``values[i]``, say its scale) in that block's ``count`` lanes."""
+    return _concat(builder, [llvm_ops.broadcast(builder, value, count) for value in values])
+
+
+def _constant(blocks: Blocks, values: list[int]) -> ir.Constant:
+    """An int32 vector holding ``values`` (one block's lanes) for every block."""
+    return ir.Constant(ir.VectorType(_I32, len(blocks) * len(values)), values * len(blocks))
+
+
+def _bytes(builder: ir.IRBuilder, blocks: Blocks, offset: ir.Value, count: int, shift: ir.Value,
+           mask: int) -> ir.Value:
+    """``count`` bytes from ``offset`` in each block as int32, each shifted right by ``shift``
+    (an intp value, the same for every block) and masked with ``mask``."""
+    width = len(blocks) * count
+    raw = builder.zext(_vector_at(builder, blocks, offset, _I8, count), ir.VectorType(_I32, width))
+    shifted = builder.lshr(raw, llvm_ops.broadcast(builder, builder.trunc(shift, _I32), width))
+    return builder.and_(shifted, _constant(blocks, [mask] * count))
+
+
+def _nibbles(builder: ir.IRBuilder, blocks: Blocks, start: int, group: ir.Value, count: int) -> ir.Value:
+    """The 4-bit values of weights 8 group .. 8 group + 7 of 32-weight blocks whose 16 bytes
+    start at ``start``: weights 0-15 are the bytes' low nibbles, 16-31 their high ones (as
+    ``gguf`` orders them); ``count`` int32 per block."""
     # groups 0 and 2 read bytes 0-7, groups 1 and 3 bytes 8-15; groups 2 and 3 the high nibbles
     bytes_from = builder.add(_intp(start), builder.mul(builder.and_(group, _intp(1)), _intp(8)))
-    return _bytes(builder, base, bytes_from, count, builder.mul(builder.lshr(group, _intp(1)), _intp(4)), 0x0F)
+    return _bytes(builder, blocks, bytes_from, count, builder.mul(builder.lshr(group, _intp(1)), _intp(4)), 0x0F)
 
 
-def _fifth_bits(builder: ir.IRBuilder, base: ir.Value, start: int, group: ir.Value, count: int) -> ir.Value:
-    """Bit 4 of weights 8 group .. 8 group + 7 (bit j of the little-endian uint32 at
-    ``base + start`` is weight j's), as int32 values 0 or 16."""
-    bits = _at(builder, base, start, _I32)
-    byte = builder.lshr(bits, builder.trunc(builder.mul(group, _intp(8)), _I32))
-    masks = ir.Constant(ir.VectorType(_I32, count), [1 << j for j in range(count)])
-    set_ = builder.icmp_unsigned("!=", builder.and_(llvm_ops.broadcast(builder, byte, count), masks),
-                                 ir.Constant(ir.VectorType(_I32, count), [0] * count))
-    return builder.shl(builder.zext(set_, ir.VectorType(_I32, count)), ir.Constant(ir.VectorType(_I32, count),
-                                                                                     [4] * count))
+def _fifth_bits(builder: ir.IRBuilder, blocks: Blocks, start: int, group: ir.Value, count: int) -> ir.Value:
+    """Bit 4 of weights 8 group .. 8 group + 7 (bit j of a block's little-endian uint32 at
+    ``start`` is its weight j's), as int32 values 0 or 16."""
+    shift = builder.trunc(builder.mul(group, _intp(8)), _I32)
+    bytes_ = _spread(builder, [builder.lshr(_at(builder, block, start, _I32), shift) for block in blocks], count)
+    width = len(blocks) * count
+    set_ = builder.icmp_unsigned("!=", builder.and_(bytes_, _constant(blocks, [1 << j for j in range(count)])),
+                                 ir.Constant(ir.VectorType(_I32, width), [0] * width))
+    return builder.shl(builder.zext(set_, ir.VectorType(_I32, width)), ir.Constant(ir.VectorType(_I32, width),
+                                                                                     [4] * width))
 
 
 def _scale_and_shift(builder: ir.IRBuilder, d: ir.Value, q: ir.Value, m: ir.Value) -> ir.Value:
@@ -185,31 +218,32 @@ def _scale_and_shift(builder: ir.IRBuilder, d: ir.Value, q: ir.Value, m: ir.Valu
     return llvm_ops.fma(builder, d, q, m)
 
 
-def dequantize_group(builder: ir.IRBuilder, format: Format, block: ir.Value, group: ir.Value,
+def dequantize_group(builder: ir.IRBuilder, format: Format, blocks: Blocks, group: ir.Value,
                      count: int) -> ir.Value:
-    """Weights 8 group .. 8 group + count - 1 of the block at ``block`` (an i8 pointer) as a
+    """Weights 8 group .. 8 group + count - 1 of each block in ``blocks`` (i8 pointers) as one
     float32 vector, by ``gguf``'s operations in ``gguf``'s order (see the module docstring)."""
-    vector = ir.VectorType(_FLOAT, count)
-    ints = ir.VectorType(_I32, count)
+    vector = ir.VectorType(_FLOAT, len(blocks) * count)
+
+    def scale(offset: int) -> ir.Value:  # each block's float16 at ``offset``, in its lanes
+        return _spread(builder, [_half(builder, block, offset) for block in blocks], count)
+
     if format.name == "Q8_0":  # x * d
         offset = builder.add(_intp(2), builder.mul(group, _intp(8)))
-        values = builder.sitofp(_at(builder, block, offset, ir.VectorType(_I8, count)), vector)
-        return builder.fmul(values, llvm_ops.broadcast(builder, _half(builder, block, 0), count))
+        values = builder.sitofp(_vector_at(builder, blocks, offset, _I8, count), vector)
+        return builder.fmul(values, scale(0))
     if format.name == "Q4_0":  # d * (q - 8)
-        q = builder.sub(_nibbles(builder, block, 2, group, count), ir.Constant(ints, [8] * count))
-        return builder.fmul(llvm_ops.broadcast(builder, _half(builder, block, 0), count), builder.sitofp(q, vector))
+        q = builder.sub(_nibbles(builder, blocks, 2, group, count), _constant(blocks, [8] * count))
+        return builder.fmul(scale(0), builder.sitofp(q, vector))
     if format.name == "Q4_1":  # (d * q) + m
-        q = builder.uitofp(_nibbles(builder, block, 4, group, count), vector)
-        return _scale_and_shift(builder, llvm_ops.broadcast(builder, _half(builder, block, 0), count), q,
-                                llvm_ops.broadcast(builder, _half(builder, block, 2), count))
+        q = builder.uitofp(_nibbles(builder, blocks, 4, group, count), vector)
+        return _scale_and_shift(builder, scale(0), q, scale(2))
     if format.name == "Q5_0":  # d * ((q | bit4) - 16)
-        q = builder.or_(_nibbles(builder, block, 6, group, count), _fifth_bits(builder, block, 2, group, count))
-        q = builder.sub(q, ir.Constant(ints, [16] * count))
-        return builder.fmul(llvm_ops.broadcast(builder, _half(builder, block, 0), count), builder.sitofp(q, vector))
+        q = builder.or_(_nibbles(builder, blocks, 6, group, count), _fifth_bits(builder, blocks, 2, group, count))
+        q = builder.sub(q, _constant(blocks, [16] * count))
+        return builder.fmul(scale(0), builder.sitofp(q, vector))
     if format.name == "Q5_1":  # (d * (q | bit4)) + m
-        q = builder.or_(_nibbles(builder, block, 8, group, count), _fifth_bits(builder, block, 4, group, count))
-        return _scale_and_shift(builder, llvm_ops.broadcast(builder, _half(builder, block, 0), count),
-                                builder.uitofp(q, vector), llvm_ops.broadcast(builder, _half(builder, block, 2), count))
+        q = builder.or_(_nibbles(builder, blocks, 8, group, count), _fifth_bits(builder, blocks, 4, group, count))
+        return _scale_and_shift(builder, scale(0), builder.uitofp(q, vector), scale(2))
     raise AssertionError(format.name)  # the 256-weight K-quants are read by `_k_pass`
 
 
@@ -238,10 +272,10 @@ def _k_scale_min(builder: ir.IRBuilder, block: ir.Value, sub: ir.Value) -> tuple
     return builder.select(low, scale_low, scale_high), builder.select(low, min_low, min_high)
 
 
-def _k_pass(builder: ir.IRBuilder, name: str, block: ir.Value, first: ir.Value, groups: int,
+def _k_pass(builder: ir.IRBuilder, name: str, blocks: Blocks, first: ir.Value, groups: int,
             count: int) -> list[ir.Value]:
     """Groups ``first`` .. ``first + groups - 1`` (8 weights each; ``first`` a multiple of 4,
-    so one 32-weight sub-block) of a 256-weight K-quant super-block, by ``gguf``'s arithmetic.
+    so one 32-weight sub-block) of 256-weight K-quant super-blocks, by ``gguf``'s arithmetic.
     Q4_K / Q5_K: ``(d * scale) * q - dmin * min`` per 32-weight sub-block (every product exact
     in float32: d * scale has at most 17 significant bits, times a 5-bit q at most 22), so one
     fused multiply-add; Q6_K: ``(d * scale) * q`` per 16-weight sub-block, a plain multiply
@@ -249,61 +283,63 @@ def _k_pass(builder: ir.IRBuilder, name: str, block: ir.Value, first: ir.Value, 
     group: LLVM cannot see that ``first`` is a multiple of 4, so it would not share them."""
     if name == "Q6_K":  # two 16-weight sub-blocks
         sub = builder.udiv(first, _intp(2))
-        factors = [_q6_factor(builder, block, builder.add(sub, _intp(i)), count) for i in range(2)]
-        return [_q6_values(builder, block, builder.add(first, _intp(g)), count, factors[g // 2])
+        factors = [_q6_factor(builder, blocks, builder.add(sub, _intp(i)), count) for i in range(2)]
+        return [_q6_values(builder, blocks, builder.add(first, _intp(g)), count, factors[g // 2])
                 for g in range(groups)]
-    factors = _k_factors(builder, block, builder.udiv(first, _intp(4)), count)
-    return [_k_values(builder, name, block, builder.add(first, _intp(g)), count, factors) for g in range(groups)]
+    factors = _k_factors(builder, blocks, builder.udiv(first, _intp(4)), count)
+    return [_k_values(builder, name, blocks, builder.add(first, _intp(g)), count, factors) for g in range(groups)]
 
 
-def _q6_factor(builder: ir.IRBuilder, block: ir.Value, sub: ir.Value, count: int) -> ir.Value:
-    """Q6_K: 16-weight sub-block ``sub``'s ``d * scale``, broadcast to ``count`` lanes."""
-    scale = builder.sitofp(_at(builder, block, builder.add(_intp(192), sub), _I8), _FLOAT)
-    return llvm_ops.broadcast(builder, builder.fmul(_half(builder, block, 208), scale), count)
+def _q6_factor(builder: ir.IRBuilder, blocks: Blocks, sub: ir.Value, count: int) -> ir.Value:
+    """Q6_K: each block's 16-weight sub-block ``sub``'s ``d * scale``, in its ``count`` lanes."""
+    def factor(block: ir.Value) -> ir.Value:
+        scale = builder.sitofp(_at(builder, block, builder.add(_intp(192), sub), _I8), _FLOAT)
+        return builder.fmul(_half(builder, block, 208), scale)
+    return _spread(builder, [factor(block) for block in blocks], count)
 
 
-def _q6_values(builder: ir.IRBuilder, block: ir.Value, group: ir.Value, count: int, factor: ir.Value) -> ir.Value:
+def _q6_values(builder: ir.IRBuilder, blocks: Blocks, group: ir.Value, count: int, factor: ir.Value) -> ir.Value:
     """Q6_K weights 8 group .. 8 group + 7 given their sub-block's `_q6_factor`: ``(d * scale)
     * q``, a plain multiply (see `_k_pass`)."""
-    vector = ir.VectorType(_FLOAT, count)
-    ints = ir.VectorType(_I32, count)
+    vector = ir.VectorType(_FLOAT, len(blocks) * count)
     first = builder.mul(group, _intp(8))  # the group's first weight in the super-block
     half, within = builder.udiv(first, _intp(128)), builder.urem(first, _intp(128))
     nibble, byte = builder.udiv(within, _intp(64)), builder.urem(within, _intp(64))
-    low = _bytes(builder, block, builder.add(builder.mul(half, _intp(64)), byte), count,
+    low = _bytes(builder, blocks, builder.add(builder.mul(half, _intp(64)), byte), count,
                  builder.mul(nibble, _intp(4)), 0x0F)
     pair, column = builder.udiv(within, _intp(32)), builder.urem(within, _intp(32))
-    high = _bytes(builder, block, builder.add(_intp(128), builder.add(builder.mul(half, _intp(32)), column)),
+    high = _bytes(builder, blocks, builder.add(_intp(128), builder.add(builder.mul(half, _intp(32)), column)),
                   count, builder.mul(pair, _intp(2)), 0x03)
-    q = builder.sub(builder.or_(low, builder.shl(high, ir.Constant(ints, [4] * count))),
-                    ir.Constant(ints, [32] * count))
+    q = builder.sub(builder.or_(low, builder.shl(high, _constant(blocks, [4] * count))),
+                    _constant(blocks, [32] * count))
     return builder.fmul(factor, builder.sitofp(q, vector))
 
 
-def _k_factors(builder: ir.IRBuilder, block: ir.Value, sub: ir.Value, count: int) -> tuple[ir.Value, ir.Value]:
-    """Q4_K / Q5_K: sub-block ``sub``'s ``d * scale`` and ``-(dmin * min)``, broadcast to
-    ``count`` lanes (the same for its 4 groups of 8)."""
-    scale, minimum = _k_scale_min(builder, block, sub)
-    d = builder.fmul(_half(builder, block, 0), builder.uitofp(scale, _FLOAT))
-    dm = builder.fmul(_half(builder, block, 2), builder.uitofp(minimum, _FLOAT))
-    return llvm_ops.broadcast(builder, d, count), llvm_ops.broadcast(builder, builder.fneg(dm), count)
+def _k_factors(builder: ir.IRBuilder, blocks: Blocks, sub: ir.Value, count: int) -> tuple[ir.Value, ir.Value]:
+    """Q4_K / Q5_K: each block's sub-block ``sub``'s ``d * scale`` and ``-(dmin * min)``, in its
+    ``count`` lanes (the same for the sub-block's 4 groups of 8)."""
+    scales, minima = [], []
+    for block in blocks:
+        scale, minimum = _k_scale_min(builder, block, sub)
+        scales.append(builder.fmul(_half(builder, block, 0), builder.uitofp(scale, _FLOAT)))
+        minima.append(builder.fneg(builder.fmul(_half(builder, block, 2), builder.uitofp(minimum, _FLOAT))))
+    return _spread(builder, scales, count), _spread(builder, minima, count)
 
 
-def _k_values(builder: ir.IRBuilder, name: str, block: ir.Value, group: ir.Value, count: int,
+def _k_values(builder: ir.IRBuilder, name: str, blocks: Blocks, group: ir.Value, count: int,
               factors: tuple[ir.Value, ir.Value]) -> ir.Value:
     """Q4_K / Q5_K weights 8 group .. 8 group + 7 given their sub-block's `_k_factors`:
     ``(d * scale) * q - dmin * min`` as one fused multiply-add (exact: see `_k_pass`)."""
-    vector = ir.VectorType(_FLOAT, count)
-    ints = ir.VectorType(_I32, count)
+    vector = ir.VectorType(_FLOAT, len(blocks) * count)
     sub = builder.udiv(group, _intp(4))
     column = builder.mul(builder.urem(group, _intp(4)), _intp(8))
     chunk, nibble = builder.udiv(sub, _intp(2)), builder.urem(sub, _intp(2))
     qs = 16 if name == "Q4_K" else 48
-    q = _bytes(builder, block, builder.add(_intp(qs), builder.add(builder.mul(chunk, _intp(32)), column)), count,
+    q = _bytes(builder, blocks, builder.add(_intp(qs), builder.add(builder.mul(chunk, _intp(32)), column)), count,
                builder.mul(nibble, _intp(4)), 0x0F)
     if name == "Q5_K":
-        high = _bytes(builder, block, builder.add(_intp(16), column), count, sub, 0x01)
-        q = builder.or_(q, builder.shl(high, ir.Constant(ints, [4] * count)))
+        high = _bytes(builder, blocks, builder.add(_intp(16), column), count, sub, 0x01)
+        q = builder.or_(q, builder.shl(high, _constant(blocks, [4] * count)))
     return _scale_and_shift(builder, factors[0], builder.uitofp(q, vector), factors[1])
 
 
@@ -323,15 +359,18 @@ def _block_at(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: 
     return format, builder.gep(base, [offset], source_etype=_I8), group
 
 
-def load_groups(context, builder: ir.IRBuilder, array_type, array: ir.Value, row: ir.Value, column: ir.Value,
-                groups: int, count: int) -> list[ir.Value]:
+def load_groups(context, builder: ir.IRBuilder, array_type, array: ir.Value, rows: list[ir.Value],
+                column: ir.Value, groups: int, count: int) -> list[ir.Value]:
     """``groups`` consecutive groups of ``count`` weights from weight ``column`` (a multiple of
-    ``groups * count`` = the block size for 32-weight formats) of row ``row``, de-quantised:
-    one block's scales read once, its group offsets constants the compiler folds."""
-    format, block, first = _block_at(context, builder, array_type, array, row, column)
+    ``groups * count`` = the block size for 32-weight formats) of each of ``rows`` (1 or 2
+    weight rows, side by side in each vector: ``count`` lanes each), de-quantised: each block's
+    scales read once, its group offsets constants the compiler folds."""
+    found = [_block_at(context, builder, array_type, array, row, column) for row in rows]
+    format, first = found[0][0], found[0][2]  # the same column: the same group in every row
+    blocks = tuple(block for _, block, _ in found)
     if groups * count != 32:  # pragma: no cover - `lanes.load_block` reads 4 groups of 8
         raise AssertionError("a pass reads one 32-weight block (or K-quant sub-block)")
     if format.block == 256:
-        return _k_pass(builder, format.name, block, first, groups, count)
-    return [dequantize_group(builder, format, block, builder.add(first, _intp(g)), count)
+        return _k_pass(builder, format.name, blocks, first, groups, count)
+    return [dequantize_group(builder, format, blocks, builder.add(first, _intp(g)), count)
             for g in range(groups)]

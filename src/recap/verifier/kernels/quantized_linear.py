@@ -10,9 +10,13 @@ float layer's, bit for bit; only the bytes read differ. Three shapes:
   time (`lanes.load_block`: the block's scales read once, its nibble offsets constants) and
   using each de-quantised weight for every token row at once. De-quantising costs more
   arithmetic than the multiply-adds it feeds, so a whole-block step (4 groups of lanes per
-  weight row per pass) is what makes it pay; a 1-row step runs no padding row.
-- **3 or 4 rows** (`linear_four`): a 4x4 register block the same way (16 accumulators:
-  the 32 vector registers of AVX-512).
+  weight row per pass) is what makes it pay; a 1-row step runs no padding row. Where
+  registers are 512 bits (`linear.WEIGHT_ROWS` 4) the 8x1 / 8x2 blocks run instead: 8
+  weight rows, two side by side in each vector (`pairs.load_blocks`: each half its own row's
+  de-quantisation and `lanes` sums, operation for operation), so each vector operation
+  de-quantises and multiplies 16 weights instead of 8.
+- **3 or 4 rows** (`linear_four`, 512-bit registers only): the 8x4 block the same way (16
+  accumulators of two weight rows, the 4 de-quantised pairs; the x groups come from L1).
 - **More rows** (`linear_panels`): a group of `linear.COL_BLOCK` (or 3) weight rows spread
   over the matrix is de-quantised once into a small float32 panel that stays in L1, then the
   float 4x8 and 4x4 blocks (or the 3x4 block) run the step's rows over it: each weight is
@@ -24,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from recap.verifier.kernels import lanes
+from recap.verifier.kernels import lanes, pairs
 from recap.verifier.kernels.lanes import GROUPS, LANES
 from recap.verifier.kernels.register_blocks import (
     CHUNK,
@@ -38,6 +42,10 @@ from recap.verifier.kernels.register_blocks import (
 
 BLOCK = GROUPS * LANES
 """Weights a pass reads per weight row: one block of the 32-weight formats."""
+PAIRED_COL_BLOCK = 2 * COL_BLOCK
+"""Weight rows of the 8x1, 8x2 and 8x4 blocks: 4 pairs."""
+PAIRED_CHUNK = CHUNK // 2
+"""Paired column blocks per parallel task: a task covers as many weight rows as unpaired."""
 
 
 @njit(inline="always")
@@ -159,6 +167,130 @@ def _block4x4(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
+def _pair4(p0, p1, p2, p3, u0, u1, u2, u3, acc):  # pragma: no cover - compiled
+    # `_fma4` on pairs: each half, its weight row's `_fma4`
+    return pairs.fma(p3, u3, pairs.fma(p2, u2, pairs.fma(p1, u1, pairs.fma(p0, u0, acc))))
+
+
+@njit(inline="always")
+def _row_twice(x, row, k, u0, u1, u2, u3, acc):  # pragma: no cover - compiled
+    # acc after token row ``row``'s weights k .. k + BLOCK - 1 (in both halves) times u0..u3
+    return _pair4(pairs.load_twice(x, row, k), pairs.load_twice(x, row, k + LANES),
+                  pairs.load_twice(x, row, k + 2 * LANES), pairs.load_twice(x, row, k + 3 * LANES),
+                  u0, u1, u2, u3, acc)
+
+
+@njit(inline="always")
+def _store_pair(out, row, c0, cs, acc, bias):  # pragma: no cover - compiled
+    # a pair of weight rows' results for token row ``row``: columns c0 (low half) and c0 + cs
+    lanes.store(out, row, c0, pairs.low(acc), bias)
+    lanes.store(out, row, c0 + cs, pairs.high(acc), bias)
+
+
+@njit(inline="always")
+def _block8x1(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
+    # `_block4x1` for 8 weight rows r0 + j * rs (j < 8) into columns c0 + j * cs, two at a time
+    # (`pairs.load_blocks`): a<i> holds weight rows 2i and 2i + 1, each half the `_block4x1`
+    # accumulator of its row, operation for operation.
+    a0 = a1 = a2 = a3 = pairs.zeros()
+    for k in range(0, x.shape[1], BLOCK):
+        lanes.keep_rolled()
+        p0, p1 = pairs.load_twice(x, 0, k), pairs.load_twice(x, 0, k + LANES)
+        p2, p3 = pairs.load_twice(x, 0, k + 2 * LANES), pairs.load_twice(x, 0, k + 3 * LANES)
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0, r0 + rs, k)
+        a0 = _pair4(p0, p1, p2, p3, u0, u1, u2, u3, a0)
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0 + 2 * rs, r0 + 3 * rs, k)
+        a1 = _pair4(p0, p1, p2, p3, u0, u1, u2, u3, a1)
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0 + 4 * rs, r0 + 5 * rs, k)
+        a2 = _pair4(p0, p1, p2, p3, u0, u1, u2, u3, a2)
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0 + 6 * rs, r0 + 7 * rs, k)
+        a3 = _pair4(p0, p1, p2, p3, u0, u1, u2, u3, a3)
+    _store_pair(out, 0, c0, cs, a0, bias)
+    _store_pair(out, 0, c0 + 2 * cs, cs, a1, bias)
+    _store_pair(out, 0, c0 + 4 * cs, cs, a2, bias)
+    _store_pair(out, 0, c0 + 6 * cs, cs, a3, bias)
+
+
+@njit(inline="always")
+def _block8x2(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
+    # `_block8x1` for token rows 0 (a<i>) and 1 (b<i>): each de-quantised pair used twice.
+    a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = pairs.zeros()
+    for k in range(0, x.shape[1], BLOCK):
+        lanes.keep_rolled()
+        p0, p1 = pairs.load_twice(x, 0, k), pairs.load_twice(x, 0, k + LANES)
+        p2, p3 = pairs.load_twice(x, 0, k + 2 * LANES), pairs.load_twice(x, 0, k + 3 * LANES)
+        s0, s1 = pairs.load_twice(x, 1, k), pairs.load_twice(x, 1, k + LANES)
+        s2, s3 = pairs.load_twice(x, 1, k + 2 * LANES), pairs.load_twice(x, 1, k + 3 * LANES)
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0, r0 + rs, k)
+        a0 = _pair4(p0, p1, p2, p3, u0, u1, u2, u3, a0)
+        b0 = _pair4(s0, s1, s2, s3, u0, u1, u2, u3, b0)
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0 + 2 * rs, r0 + 3 * rs, k)
+        a1 = _pair4(p0, p1, p2, p3, u0, u1, u2, u3, a1)
+        b1 = _pair4(s0, s1, s2, s3, u0, u1, u2, u3, b1)
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0 + 4 * rs, r0 + 5 * rs, k)
+        a2 = _pair4(p0, p1, p2, p3, u0, u1, u2, u3, a2)
+        b2 = _pair4(s0, s1, s2, s3, u0, u1, u2, u3, b2)
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0 + 6 * rs, r0 + 7 * rs, k)
+        a3 = _pair4(p0, p1, p2, p3, u0, u1, u2, u3, a3)
+        b3 = _pair4(s0, s1, s2, s3, u0, u1, u2, u3, b3)
+    _store_pair(out, 0, c0, cs, a0, bias)
+    _store_pair(out, 1, c0, cs, b0, bias)
+    _store_pair(out, 0, c0 + 2 * cs, cs, a1, bias)
+    _store_pair(out, 1, c0 + 2 * cs, cs, b1, bias)
+    _store_pair(out, 0, c0 + 4 * cs, cs, a2, bias)
+    _store_pair(out, 1, c0 + 4 * cs, cs, b2, bias)
+    _store_pair(out, 0, c0 + 6 * cs, cs, a3, bias)
+    _store_pair(out, 1, c0 + 6 * cs, cs, b3, bias)
+
+
+@njit(inline="always")
+def _block8x4(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
+    # `_block4x4` for 8 weight rows, two at a time: a<i><j> is weight rows 2i and 2i + 1 x token
+    # row j (16 accumulators, the 4 de-quantised pairs; each x group is loaded into both halves
+    # where it is used, from L1).
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = pairs.zeros()
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = pairs.zeros()
+    for k in range(0, x.shape[1], BLOCK):
+        lanes.keep_rolled()
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0, r0 + rs, k)
+        a00 = _row_twice(x, 0, k, u0, u1, u2, u3, a00)
+        a01 = _row_twice(x, 1, k, u0, u1, u2, u3, a01)
+        a02 = _row_twice(x, 2, k, u0, u1, u2, u3, a02)
+        a03 = _row_twice(x, 3, k, u0, u1, u2, u3, a03)
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0 + 2 * rs, r0 + 3 * rs, k)
+        a10 = _row_twice(x, 0, k, u0, u1, u2, u3, a10)
+        a11 = _row_twice(x, 1, k, u0, u1, u2, u3, a11)
+        a12 = _row_twice(x, 2, k, u0, u1, u2, u3, a12)
+        a13 = _row_twice(x, 3, k, u0, u1, u2, u3, a13)
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0 + 4 * rs, r0 + 5 * rs, k)
+        a20 = _row_twice(x, 0, k, u0, u1, u2, u3, a20)
+        a21 = _row_twice(x, 1, k, u0, u1, u2, u3, a21)
+        a22 = _row_twice(x, 2, k, u0, u1, u2, u3, a22)
+        a23 = _row_twice(x, 3, k, u0, u1, u2, u3, a23)
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0 + 6 * rs, r0 + 7 * rs, k)
+        a30 = _row_twice(x, 0, k, u0, u1, u2, u3, a30)
+        a31 = _row_twice(x, 1, k, u0, u1, u2, u3, a31)
+        a32 = _row_twice(x, 2, k, u0, u1, u2, u3, a32)
+        a33 = _row_twice(x, 3, k, u0, u1, u2, u3, a33)
+    _store_pair(out, 0, c0, cs, a00, bias)
+    _store_pair(out, 1, c0, cs, a01, bias)
+    _store_pair(out, 2, c0, cs, a02, bias)
+    _store_pair(out, 3, c0, cs, a03, bias)
+    _store_pair(out, 0, c0 + 2 * cs, cs, a10, bias)
+    _store_pair(out, 1, c0 + 2 * cs, cs, a11, bias)
+    _store_pair(out, 2, c0 + 2 * cs, cs, a12, bias)
+    _store_pair(out, 3, c0 + 2 * cs, cs, a13, bias)
+    _store_pair(out, 0, c0 + 4 * cs, cs, a20, bias)
+    _store_pair(out, 1, c0 + 4 * cs, cs, a21, bias)
+    _store_pair(out, 2, c0 + 4 * cs, cs, a22, bias)
+    _store_pair(out, 3, c0 + 4 * cs, cs, a23, bias)
+    _store_pair(out, 0, c0 + 6 * cs, cs, a30, bias)
+    _store_pair(out, 1, c0 + 6 * cs, cs, a31, bias)
+    _store_pair(out, 2, c0 + 6 * cs, cs, a32, bias)
+    _store_pair(out, 3, c0 + 6 * cs, cs, a33, bias)
+
+
+@njit(inline="always")
 def _unpack(w, row, panel, slot):  # pragma: no cover - compiled
     # panel[slot] = weight row ``row`` of w, de-quantised (K a multiple of BLOCK)
     for k in range(0, panel.shape[1], BLOCK):
@@ -170,17 +302,23 @@ def _unpack(w, row, panel, slot):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _part_columns(x, w, bias, out, task, rows):  # pragma: no cover - compiled
-    # parallel task ``task`` of `linear_few` (and `linear_three`) on w: its column blocks and,
-    # for the last task, the N mod 4 columns after them, one at a time
-    quarter = w.shape[0] // COL_BLOCK
-    for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
-        if rows == 1:
-            _block4x1(x, w, q, quarter, out, q, quarter, bias)
+def _part_columns(x, w, bias, out, task, rows, paired):  # pragma: no cover - compiled
+    # parallel task ``task`` of `linear_few` (and `linear_three`) on w: its column blocks (of
+    # 8 weight rows in pairs with ``paired``, else of 4) and, for the last task, the columns
+    # after them, one at a time
+    blocks = w.shape[0] // (PAIRED_COL_BLOCK if paired else COL_BLOCK)
+    chunk = PAIRED_CHUNK if paired else CHUNK
+    for q in range(task * chunk, min(blocks, (task + 1) * chunk)):
+        if paired and rows == 1:
+            _block8x1(x, w, q, blocks, out, q, blocks, bias)
+        elif paired:
+            _block8x2(x, w, q, blocks, out, q, blocks, bias)
+        elif rows == 1:
+            _block4x1(x, w, q, blocks, out, q, blocks, bias)
         else:
-            _block4x2(x, w, q, quarter, out, q, quarter, bias)
-    if (task + 1) * CHUNK >= quarter:
-        for n in range(quarter * COL_BLOCK, w.shape[0]):
+            _block4x2(x, w, q, blocks, out, q, blocks, bias)
+    if (task + 1) * chunk >= blocks:
+        for n in range(blocks * (PAIRED_COL_BLOCK if paired else COL_BLOCK), w.shape[0]):
             if rows == 1:
                 _block4x1(x, w, n, 0, out, n, 0, bias)
             else:
@@ -188,35 +326,42 @@ def _part_columns(x, w, bias, out, task, rows):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _tasks(w):  # pragma: no cover - compiled
-    # `linear_few`'s parallel tasks for w (one for a weight of fewer than 4 rows)
-    return max(1, -(-(w.shape[0] // COL_BLOCK) // CHUNK)) if w.shape[0] else 0
+def _tasks(w, paired):  # pragma: no cover - compiled
+    # `linear_few`'s parallel tasks for w (one for a weight of fewer rows than a column block)
+    if not w.shape[0]:
+        return 0
+    if paired:
+        return max(1, -(-(w.shape[0] // PAIRED_COL_BLOCK) // PAIRED_CHUNK))
+    return max(1, -(-(w.shape[0] // COL_BLOCK) // CHUNK))
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def linear_few(x, w, bias, out, rows):  # pragma: no cover - compiled
+def linear_few(x, w, bias, out, rows, paired):  # pragma: no cover - compiled
     """``out[:rows] = x[:rows] @ dequantised(w).T + bias`` for ``rows`` 1 or 2: x: (>= rows,
-    K) f32, out: (>= rows, N) f32; output columns q, q + N/4, q + 2N/4, q + 3N/4 together
-    (four sequential streams), the last N mod 4 one at a time (`_part_columns`)."""
-    for task in prange(_tasks(w)):
-        _part_columns(x, w, bias, out, task, rows)
+    K) f32, out: (>= rows, N) f32. With ``paired`` (512-bit registers: `linear.WEIGHT_ROWS`
+    4) output columns q, q + N/8, ..., q + 7N/8 together, two weight rows a vector (the 8x1 /
+    8x2 blocks), else q, q + N/4, q + 2N/4, q + 3N/4 (the 4x1 / 4x2 blocks); the last
+    columns one at a time (`_part_columns`)."""
+    for task in prange(_tasks(w, paired)):
+        _part_columns(x, w, bias, out, task, rows, paired)
 
 
 @njit(parallel=True, cache=True, nogil=True)
 def linear_four(x, w, bias, out):  # pragma: no cover - compiled
-    """`linear_few` for steps of 3 or 4 rows (x and out hold 4): the 4x4 register block over
-    output columns q, q + N/4, q + 2N/4, q + 3N/4, the last N mod 4 one at a time."""
-    quarter = w.shape[0] // COL_BLOCK
-    tasks = -(-quarter // CHUNK)
+    """`linear_few` for steps of 3 or 4 rows (x and out hold 4) where registers are 512 bits:
+    the 8x4 block over output columns q, q + N/8, ..., q + 7N/8, the last N mod 8 one at a
+    time on the 4x4 block."""
+    eighth = w.shape[0] // PAIRED_COL_BLOCK
+    tasks = -(-eighth // PAIRED_CHUNK)
     for task in prange(tasks):
-        for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
-            _block4x4(x, w, q, quarter, out, q, quarter, bias)
-    for n in range(quarter * COL_BLOCK, w.shape[0]):
+        for q in range(task * PAIRED_CHUNK, min(eighth, (task + 1) * PAIRED_CHUNK)):
+            _block8x4(x, w, q, eighth, out, q, eighth, bias)
+    for n in range(eighth * PAIRED_COL_BLOCK, w.shape[0]):
         _block4x4(x, w, n, 0, out, n, 0, bias)
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def linear_three(x, w0, w1, w2, b0, b1, b2, o0, o1, o2, rows):  # pragma: no cover - compiled
+def linear_three(x, w0, w1, w2, b0, b1, b2, o0, o1, o2, rows, paired):  # pragma: no cover - compiled
     """`linear_few` of three weights of one block format that read the same x (a layer's q,
     k and v; gate and up, with a w2 of no rows), in one parallel region: ``o<i>[:rows] =
     x[:rows] @ dequantised(w<i>).T + b<i>`` for ``rows`` 1 or 2. Weight i's tasks are the
@@ -225,15 +370,15 @@ def linear_three(x, w0, w1, w2, b0, b1, b2, o0, o1, o2, rows):  # pragma: no cov
     and one start-up of the thread pool instead of three. (Arguments, not a tuple of arrays: a
     tuple indexed per task compiled to slower blocks, and so did one function holding the 4x4
     block too: measured in docs/kernels.md.)"""
-    n0 = _tasks(w0)
-    n1 = n0 + _tasks(w1)
-    for task in prange(n1 + _tasks(w2)):
+    n0 = _tasks(w0, paired)
+    n1 = n0 + _tasks(w1, paired)
+    for task in prange(n1 + _tasks(w2, paired)):
         if task < n0:
-            _part_columns(x, w0, b0, o0, task, rows)
+            _part_columns(x, w0, b0, o0, task, rows, paired)
         elif task < n1:
-            _part_columns(x, w1, b1, o1, task - n0, rows)
+            _part_columns(x, w1, b1, o1, task - n0, rows, paired)
         else:
-            _part_columns(x, w2, b2, o2, task - n1, rows)
+            _part_columns(x, w2, b2, o2, task - n1, rows, paired)
 
 
 @njit(parallel=True, cache=True, nogil=True)
