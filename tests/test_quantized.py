@@ -186,8 +186,9 @@ def test_a_wrong_dequantisation_is_caught(mistake, reader, monkeypatch):
 @pytest.mark.parametrize("weight_rows", [3, 4])
 @pytest.mark.parametrize("name", FORMATS)
 def test_a_layer_on_stored_blocks_gives_the_float_layers_bits(name, weight_rows):
-    """Every row count's path (1, 2: the few-row blocks; 3, 4: the 4x4 block or panels;
-    5 and more: panels), N not a multiple of 4 (the last columns one at a time), a bias."""
+    """Every row count's path (1, 2: the few-row blocks; 3, 4: the 8x4 block or panels;
+    5-8 and 13-16: the 4x8 block in registers or panels; 9-12: panels), N not a multiple of 4
+    (the last columns one at a time), a bias."""
     rng = np.random.default_rng(weight_rows)
     width = 96 if quantized.FORMATS[name].block == 32 else 256
     stored = quantized.random_blocks(rng, 4 * 9 + 3, width, name)
@@ -195,10 +196,10 @@ def test_a_layer_on_stored_blocks_gives_the_float_layers_bits(name, weight_rows)
     on_blocks = Linear(stored, bias, weight_rows=weight_rows)
     on_floats = Linear(quantized.dequantize(stored), bias, weight_rows=weight_rows)
     assert on_blocks.blocks.name == name and on_floats.blocks is None
-    x = rng.standard_normal((12, width), dtype=np.float32)
-    for rows in range(1, 12):
-        a = np.zeros((12, len(stored)), np.float32)
-        b = np.zeros((12, len(stored)), np.float32)
+    x = rng.standard_normal((16, width), dtype=np.float32)
+    for rows in range(1, 17):
+        a = np.zeros((16, len(stored)), np.float32)
+        b = np.zeros((16, len(stored)), np.float32)
         on_blocks(x, a, rows)
         on_floats(x, b, rows)
         np.testing.assert_array_equal(a[:rows].view(np.uint32), b[:rows].view(np.uint32), err_msg=f"{rows} rows")
@@ -210,12 +211,12 @@ def _float64_row(x, w, bias, out, row):
     out[row, :len(w)] = (wide + bias if len(bias) else wide).astype(np.float32)
 
 
-@pytest.mark.parametrize("name", ["linear_few", "linear_four"])
+@pytest.mark.parametrize("name", ["linear_few", "linear_four", "linear_eights"])
 def test_a_stored_block_out_of_the_written_order_is_refused(name, monkeypatch):
     """The load-time check of the stored blocks can fail: the paired 8x1 / 8x2 blocks
-    (`linear_few`) or the 8x4 block (`linear_four`) with one token row summed in float64 make
-    `stored_blocks_agree` false, and `Linear` refuses the weights instead of giving other bits
-    than the float layer."""
+    (`linear_few`), the 8x4 block (`linear_four`) or the 4x8 block in registers
+    (`linear_eights`) with one token row summed in float64 make `stored_blocks_agree` false,
+    and `Linear` refuses the weights instead of giving other bits than the float layer."""
     check = kernel_linear.stored_blocks_agree.__wrapped__
     assert check(96, "Q4_1")
     real = getattr(quantized_linear, name)
@@ -224,10 +225,14 @@ def test_a_stored_block_out_of_the_written_order_is_refused(name, monkeypatch):
             real(x, w, bias, out, rows, paired)
             if paired:
                 _float64_row(x, w, bias, out, rows - 1)
-    else:
+    elif name == "linear_four":
         def kernel(x, w, bias, out):
             real(x, w, bias, out)
             _float64_row(x, w, bias, out, 3)
+    else:
+        def kernel(x, w, bias, out, rows):
+            real(x, w, bias, out, rows)
+            _float64_row(x, w, bias, out, 5)  # a row of the 4x8 block
     monkeypatch.setattr(quantized_linear, name, kernel)
     monkeypatch.setattr(kernel_linear, "stored_blocks_agree", check)
     assert not check(96, "Q4_1")

@@ -444,6 +444,8 @@ class Linear:
                 quantized_linear.linear_few(x, self.weight, self.bias, out, rows, self.weight_rows == 4)
             elif rows <= ROW_BLOCK and self.weight_rows == 4:
                 quantized_linear.linear_four(x, self.weight, self.bias, out)
+            elif need <= quantized_linear.REGISTER_ROWS and need % PAIRED_ROWS == 0 and self.weight_rows == 4:
+                quantized_linear.linear_eights(x, self.weight, self.bias, out, need)
             else:
                 quantized_linear.linear_panels(x, self.weight, self.bias, out, need, self.weight_rows)
         elif rows <= SMALL_ROWS and self.few_rows:
@@ -656,7 +658,8 @@ def blocks_agree(in_features: int, kind: str = "float32") -> bool:
 @functools.cache
 def stored_blocks_agree(in_features: int, kind: str) -> bool:
     """Whether the kernels over stored ``kind`` blocks (`quantized_linear`: the 1- and 2-row
-    blocks and the de-quantised panels under both weight-row layouts) give the bits the float 4x4
+    blocks, paired and not, the 8x4 and 4x8 blocks and the de-quantised panels under both
+    weight-row layouts) give the bits the float 4x4
     block gives on the ``gguf`` package's de-quantisation of the same random blocks: what
     makes a model read as stored bit-identical to its float copy. `Linear` asserts it once
     per width and format."""
@@ -679,8 +682,9 @@ def stored_blocks_agree(in_features: int, kind: str) -> bool:
         panels = np.zeros((ROW_BLOCK, columns), np.float32)
         quantized_linear.linear_panels(x, stored, bias, panels, ROW_BLOCK, weight_rows)
         ok &= panels.tobytes() == want.tobytes()
-    x = _twelve_rows(rng, in_features)  # the 4x8 block over the panels, then the 4x4
-    panels = np.zeros((len(x), columns), np.float32)
+    x = _twelve_rows(rng, in_features)  # a 4x8 block (over the panels; in registers), then a 4x4
+    want = _rows_in_fours(x, quantized.dequantize(stored), bias).tobytes()
+    panels, eights = np.zeros((len(x), columns), np.float32), np.zeros((len(x), columns), np.float32)
     quantized_linear.linear_panels(x, stored, bias, panels, len(x), 4)
-    ok &= panels.tobytes() == _rows_in_fours(x, quantized.dequantize(stored), bias).tobytes()
-    return bool(ok)
+    quantized_linear.linear_eights(x, stored, bias, eights, len(x))
+    return bool(ok and panels.tobytes() == want and eights.tobytes() == want)

@@ -17,10 +17,13 @@ float layer's, bit for bit; only the bytes read differ. Three shapes:
   de-quantises and multiplies 16 weights instead of 8.
 - **3 or 4 rows** (`linear_four`, 512-bit registers only): the 8x4 block the same way (16
   accumulators of two weight rows, the 4 de-quantised pairs; the x groups come from L1).
-- **More rows** (`linear_panels`): a group of `linear.COL_BLOCK` (or 3) weight rows spread
-  over the matrix is de-quantised once into a small float32 panel that stays in L1, then the
-  float 4x8 and 4x4 blocks (or the 3x4 block) run the step's rows over it: each weight is
-  de-quantised once a step however many rows verify.
+- **8 or 16 computed rows** (`linear_eights`, 512-bit registers only; `REGISTER_ROWS`): 4
+  weight rows as two pairs against 8 token rows at a time (the 4x8 block), de-quantised
+  again for each 8: for so few rows that beats writing and reading a panel.
+- **More rows** (`linear_panels`; on AVX2 every step past 2 rows): a group of
+  `linear.COL_BLOCK` (or 3) weight rows spread over the matrix is de-quantised once into a
+  small float32 panel that stays in L1, then the float 4x8 and 4x4 blocks (or the 3x4 block)
+  run the step's rows over it: each weight is de-quantised once a step however many rows.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from recap.verifier.kernels.lanes import GROUPS, LANES
 from recap.verifier.kernels.register_blocks import (
     CHUNK,
     COL_BLOCK,
+    PAIRED_ROWS,
     ROW_BLOCK,
     _block1,
     _block3,
@@ -46,6 +50,10 @@ PAIRED_COL_BLOCK = 2 * COL_BLOCK
 """Weight rows of the 8x1, 8x2 and 8x4 blocks: 4 pairs."""
 PAIRED_CHUNK = CHUNK // 2
 """Paired column blocks per parallel task: a task covers as many weight rows as unpaired."""
+REGISTER_ROWS = 16
+"""Steps of 8 or 16 computed rows (5-8, 13-16 asked) de-quantise in registers
+(`linear_eights`) where registers are 512 bits; others once into panels (`linear_panels`):
+past 16 rows, or with a last 4 rows, the panels were faster (docs/kernels.md)."""
 
 
 @njit(inline="always")
@@ -119,8 +127,8 @@ def _row4(x, row, k, u0, u1, u2, u3, acc):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
-def _block4x4(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
-    # Token rows 0-3 of x against weight rows r0 + i * rs (i < 4) of the stored blocks w into
+def _block4x4(x, m0, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
+    # Token rows m0 .. m0 + 3 of x against weight rows r0 + i * rs (i < 4) of the stored blocks w into
     # output columns c0 + i * cs: a<i><j> is weight row i x token row j. Each de-quantised
     # block is used for the 4 token rows at once; their x rows come from L1 (16 accumulators
     # and the 4 weight vectors hold the registers).
@@ -129,41 +137,41 @@ def _block4x4(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
     for k in range(0, x.shape[1], BLOCK):
         lanes.keep_rolled()
         u0, u1, u2, u3 = lanes.load_block(w, r0, k)
-        a00 = _row4(x, 0, k, u0, u1, u2, u3, a00)
-        a01 = _row4(x, 1, k, u0, u1, u2, u3, a01)
-        a02 = _row4(x, 2, k, u0, u1, u2, u3, a02)
-        a03 = _row4(x, 3, k, u0, u1, u2, u3, a03)
+        a00 = _row4(x, m0 + 0, k, u0, u1, u2, u3, a00)
+        a01 = _row4(x, m0 + 1, k, u0, u1, u2, u3, a01)
+        a02 = _row4(x, m0 + 2, k, u0, u1, u2, u3, a02)
+        a03 = _row4(x, m0 + 3, k, u0, u1, u2, u3, a03)
         u0, u1, u2, u3 = lanes.load_block(w, r0 + rs, k)
-        a10 = _row4(x, 0, k, u0, u1, u2, u3, a10)
-        a11 = _row4(x, 1, k, u0, u1, u2, u3, a11)
-        a12 = _row4(x, 2, k, u0, u1, u2, u3, a12)
-        a13 = _row4(x, 3, k, u0, u1, u2, u3, a13)
+        a10 = _row4(x, m0 + 0, k, u0, u1, u2, u3, a10)
+        a11 = _row4(x, m0 + 1, k, u0, u1, u2, u3, a11)
+        a12 = _row4(x, m0 + 2, k, u0, u1, u2, u3, a12)
+        a13 = _row4(x, m0 + 3, k, u0, u1, u2, u3, a13)
         u0, u1, u2, u3 = lanes.load_block(w, r0 + 2 * rs, k)
-        a20 = _row4(x, 0, k, u0, u1, u2, u3, a20)
-        a21 = _row4(x, 1, k, u0, u1, u2, u3, a21)
-        a22 = _row4(x, 2, k, u0, u1, u2, u3, a22)
-        a23 = _row4(x, 3, k, u0, u1, u2, u3, a23)
+        a20 = _row4(x, m0 + 0, k, u0, u1, u2, u3, a20)
+        a21 = _row4(x, m0 + 1, k, u0, u1, u2, u3, a21)
+        a22 = _row4(x, m0 + 2, k, u0, u1, u2, u3, a22)
+        a23 = _row4(x, m0 + 3, k, u0, u1, u2, u3, a23)
         u0, u1, u2, u3 = lanes.load_block(w, r0 + 3 * rs, k)
-        a30 = _row4(x, 0, k, u0, u1, u2, u3, a30)
-        a31 = _row4(x, 1, k, u0, u1, u2, u3, a31)
-        a32 = _row4(x, 2, k, u0, u1, u2, u3, a32)
-        a33 = _row4(x, 3, k, u0, u1, u2, u3, a33)
-    lanes.store(out, 0, c0, a00, bias)
-    lanes.store(out, 1, c0, a01, bias)
-    lanes.store(out, 2, c0, a02, bias)
-    lanes.store(out, 3, c0, a03, bias)
-    lanes.store(out, 0, c0 + cs, a10, bias)
-    lanes.store(out, 1, c0 + cs, a11, bias)
-    lanes.store(out, 2, c0 + cs, a12, bias)
-    lanes.store(out, 3, c0 + cs, a13, bias)
-    lanes.store(out, 0, c0 + 2 * cs, a20, bias)
-    lanes.store(out, 1, c0 + 2 * cs, a21, bias)
-    lanes.store(out, 2, c0 + 2 * cs, a22, bias)
-    lanes.store(out, 3, c0 + 2 * cs, a23, bias)
-    lanes.store(out, 0, c0 + 3 * cs, a30, bias)
-    lanes.store(out, 1, c0 + 3 * cs, a31, bias)
-    lanes.store(out, 2, c0 + 3 * cs, a32, bias)
-    lanes.store(out, 3, c0 + 3 * cs, a33, bias)
+        a30 = _row4(x, m0 + 0, k, u0, u1, u2, u3, a30)
+        a31 = _row4(x, m0 + 1, k, u0, u1, u2, u3, a31)
+        a32 = _row4(x, m0 + 2, k, u0, u1, u2, u3, a32)
+        a33 = _row4(x, m0 + 3, k, u0, u1, u2, u3, a33)
+    lanes.store(out, m0 + 0, c0, a00, bias)
+    lanes.store(out, m0 + 1, c0, a01, bias)
+    lanes.store(out, m0 + 2, c0, a02, bias)
+    lanes.store(out, m0 + 3, c0, a03, bias)
+    lanes.store(out, m0 + 0, c0 + cs, a10, bias)
+    lanes.store(out, m0 + 1, c0 + cs, a11, bias)
+    lanes.store(out, m0 + 2, c0 + cs, a12, bias)
+    lanes.store(out, m0 + 3, c0 + cs, a13, bias)
+    lanes.store(out, m0 + 0, c0 + 2 * cs, a20, bias)
+    lanes.store(out, m0 + 1, c0 + 2 * cs, a21, bias)
+    lanes.store(out, m0 + 2, c0 + 2 * cs, a22, bias)
+    lanes.store(out, m0 + 3, c0 + 2 * cs, a23, bias)
+    lanes.store(out, m0 + 0, c0 + 3 * cs, a30, bias)
+    lanes.store(out, m0 + 1, c0 + 3 * cs, a31, bias)
+    lanes.store(out, m0 + 2, c0 + 3 * cs, a32, bias)
+    lanes.store(out, m0 + 3, c0 + 3 * cs, a33, bias)
 
 
 @njit(inline="always")
@@ -291,6 +299,51 @@ def _block8x4(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
 
 
 @njit(inline="always")
+def _block4x8(x, m0, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
+    # Token rows m0 .. m0 + 7 against weight rows r0 + i * rs (i < 4) as two pairs (u: rows 0
+    # and 1, into a<j>; v: rows 2 and 3, into b<j>; j the token row): 16 accumulators, the 8
+    # de-quantised pairs, each x group loaded into both halves where it is used.
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = pairs.zeros()
+    b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = pairs.zeros()
+    for k in range(0, x.shape[1], BLOCK):
+        lanes.keep_rolled()
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0, r0 + rs, k)
+        v0, v1, v2, v3 = pairs.load_blocks(w, r0 + 2 * rs, r0 + 3 * rs, k)
+        a0 = _row_twice(x, m0 + 0, k, u0, u1, u2, u3, a0)
+        b0 = _row_twice(x, m0 + 0, k, v0, v1, v2, v3, b0)
+        a1 = _row_twice(x, m0 + 1, k, u0, u1, u2, u3, a1)
+        b1 = _row_twice(x, m0 + 1, k, v0, v1, v2, v3, b1)
+        a2 = _row_twice(x, m0 + 2, k, u0, u1, u2, u3, a2)
+        b2 = _row_twice(x, m0 + 2, k, v0, v1, v2, v3, b2)
+        a3 = _row_twice(x, m0 + 3, k, u0, u1, u2, u3, a3)
+        b3 = _row_twice(x, m0 + 3, k, v0, v1, v2, v3, b3)
+        a4 = _row_twice(x, m0 + 4, k, u0, u1, u2, u3, a4)
+        b4 = _row_twice(x, m0 + 4, k, v0, v1, v2, v3, b4)
+        a5 = _row_twice(x, m0 + 5, k, u0, u1, u2, u3, a5)
+        b5 = _row_twice(x, m0 + 5, k, v0, v1, v2, v3, b5)
+        a6 = _row_twice(x, m0 + 6, k, u0, u1, u2, u3, a6)
+        b6 = _row_twice(x, m0 + 6, k, v0, v1, v2, v3, b6)
+        a7 = _row_twice(x, m0 + 7, k, u0, u1, u2, u3, a7)
+        b7 = _row_twice(x, m0 + 7, k, v0, v1, v2, v3, b7)
+    _store_pair(out, m0 + 0, c0, cs, a0, bias)
+    _store_pair(out, m0 + 0, c0 + 2 * cs, cs, b0, bias)
+    _store_pair(out, m0 + 1, c0, cs, a1, bias)
+    _store_pair(out, m0 + 1, c0 + 2 * cs, cs, b1, bias)
+    _store_pair(out, m0 + 2, c0, cs, a2, bias)
+    _store_pair(out, m0 + 2, c0 + 2 * cs, cs, b2, bias)
+    _store_pair(out, m0 + 3, c0, cs, a3, bias)
+    _store_pair(out, m0 + 3, c0 + 2 * cs, cs, b3, bias)
+    _store_pair(out, m0 + 4, c0, cs, a4, bias)
+    _store_pair(out, m0 + 4, c0 + 2 * cs, cs, b4, bias)
+    _store_pair(out, m0 + 5, c0, cs, a5, bias)
+    _store_pair(out, m0 + 5, c0 + 2 * cs, cs, b5, bias)
+    _store_pair(out, m0 + 6, c0, cs, a6, bias)
+    _store_pair(out, m0 + 6, c0 + 2 * cs, cs, b6, bias)
+    _store_pair(out, m0 + 7, c0, cs, a7, bias)
+    _store_pair(out, m0 + 7, c0 + 2 * cs, cs, b7, bias)
+
+
+@njit(inline="always")
 def _unpack(w, row, panel, slot):  # pragma: no cover - compiled
     # panel[slot] = weight row ``row`` of w, de-quantised (K a multiple of BLOCK)
     for k in range(0, panel.shape[1], BLOCK):
@@ -357,7 +410,28 @@ def linear_four(x, w, bias, out):  # pragma: no cover - compiled
         for q in range(task * PAIRED_CHUNK, min(eighth, (task + 1) * PAIRED_CHUNK)):
             _block8x4(x, w, q, eighth, out, q, eighth, bias)
     for n in range(eighth * PAIRED_COL_BLOCK, w.shape[0]):
-        _block4x4(x, w, n, 0, out, n, 0, bias)
+        _block4x4(x, 0, w, n, 0, out, n, 0, bias)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def linear_eights(x, w, bias, out, rows):  # pragma: no cover - compiled
+    """``out[:rows] = x[:rows] @ dequantised(w).T + bias`` for ``rows`` a multiple of 4 (x and
+    out hold them) where registers are 512 bits, for steps up to `REGISTER_ROWS`: per group of
+    4 weight rows q, q + N/4, ... (two pairs), every 8 token rows on the 4x8 block, each time
+    de-quantising again in registers (cheaper than a panel for so few rows), a last 4 on the
+    4x4 block; the last N mod 4 columns one at a time."""
+    quarter = w.shape[0] // COL_BLOCK
+    tasks = -(-quarter // CHUNK)
+    eights = rows - rows % PAIRED_ROWS
+    for task in prange(tasks):
+        for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
+            for m0 in range(0, eights, PAIRED_ROWS):
+                _block4x8(x, m0, w, q, quarter, out, q, quarter, bias)
+            if eights < rows:
+                _block4x4(x, eights, w, q, quarter, out, q, quarter, bias)
+    for n in range(quarter * COL_BLOCK, w.shape[0]):
+        for m0 in range(0, rows, ROW_BLOCK):
+            _block4x4(x, m0, w, n, 0, out, n, 0, bias)
 
 
 @njit(parallel=True, cache=True, nogil=True)
