@@ -90,8 +90,9 @@ def instrument(target, timer: Timer):
                                    ("tree_attention", "attention")):
                 stack.enter_context(patched(ops, name, timer.wrap(category, getattr(ops, name))))
             stack.enter_context(patched(Linear, "__call__", timer.wrap("linear", Linear.__call__)))
-            stack.enter_context(patched(quantized_linear, "linear_three",  # q, k, v as one (SameInput)
-                                        timer.wrap("linear", quantized_linear.linear_three)))
+            for three in ("linear_three", "linear_three_paired"):  # q, k, v as one (SameInput)
+                stack.enter_context(patched(quantized_linear, three,
+                                            timer.wrap("linear", getattr(quantized_linear, three))))
             stack.enter_context(patched(ops.QuadAttention, "__call__",
                                         timer.wrap("attention", ops.QuadAttention.__call__)))
             kv_commit = fast_decoder.KVCache.commit

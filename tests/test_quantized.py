@@ -211,20 +211,21 @@ def _float64_row(x, w, bias, out, row):
     out[row, :len(w)] = (wide + bias if len(bias) else wide).astype(np.float32)
 
 
-@pytest.mark.parametrize("name", ["linear_few", "linear_four", "linear_eights"])
+@pytest.mark.parametrize("name", ["linear_few_paired", "linear_four", "linear_eights", "linear_few"])
 def test_a_stored_block_out_of_the_written_order_is_refused(name, monkeypatch):
     """The load-time check of the stored blocks can fail: the paired 8x1 / 8x2 blocks
-    (`linear_few`), the 8x4 block (`linear_four`) or the 4x8 block in registers
-    (`linear_eights`) with one token row summed in float64 make `stored_blocks_agree` false,
-    and `Linear` refuses the weights instead of giving other bits than the float layer."""
+    (`linear_few_paired`), the 8x4 block (`linear_four`), the 4x8 block in registers
+    (`linear_eights`) or the 4x1 / 4x2 blocks (`linear_few`, the 3-row layout's) with one
+    token row summed in float64 make `stored_blocks_agree` false, and `Linear` refuses the
+    weights instead of giving other bits than the float layer."""
+    weight_rows = 3 if name == "linear_few" else 4
     check = kernel_linear.stored_blocks_agree.__wrapped__
-    assert check(96, "Q4_1")
+    assert check(96, "Q4_1", weight_rows)
     real = getattr(quantized_linear, name)
-    if name == "linear_few":
-        def kernel(x, w, bias, out, rows, paired):
-            real(x, w, bias, out, rows, paired)
-            if paired:
-                _float64_row(x, w, bias, out, rows - 1)
+    if name in ("linear_few", "linear_few_paired"):
+        def kernel(x, w, bias, out, rows):
+            real(x, w, bias, out, rows)
+            _float64_row(x, w, bias, out, rows - 1)
     elif name == "linear_four":
         def kernel(x, w, bias, out):
             real(x, w, bias, out)
@@ -235,9 +236,9 @@ def test_a_stored_block_out_of_the_written_order_is_refused(name, monkeypatch):
             _float64_row(x, w, bias, out, 5)  # a row of the 4x8 block
     monkeypatch.setattr(quantized_linear, name, kernel)
     monkeypatch.setattr(kernel_linear, "stored_blocks_agree", check)
-    assert not check(96, "Q4_1")
+    assert not check(96, "Q4_1", weight_rows)
     with pytest.raises(KernelDefect, match="lanes"):
-        Linear(quantized.random_blocks(np.random.default_rng(5), 60, 96, "Q4_1"), None)
+        Linear(quantized.random_blocks(np.random.default_rng(5), 60, 96, "Q4_1"), None, weight_rows=weight_rows)
 
 
 @pytest.mark.parametrize("name", FORMATS)

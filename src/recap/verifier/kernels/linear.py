@@ -418,8 +418,8 @@ class Linear:
             raise ValueError(f"stored rows of {self.in_features} weights are not whole "
                              f"{self.blocks.block}-weight blocks")
         kind = _kind(self.weight)
-        agree = stored_blocks_agree if self.blocks else blocks_agree
-        if not agree(self.in_features, kind):
+        if not (stored_blocks_agree(self.in_features, kind, self.weight_rows) if self.blocks
+                else blocks_agree(self.in_features, kind)):
             raise KernelDefect(f"the register blocks give different bits for dot products of length "
                                f"{self.in_features} ({kind} weights): a kernel no longer "
                                "follows `lanes` order")
@@ -440,8 +440,10 @@ class Linear:
         if len(x) < need or len(out) < need:  # the kernels do not check bounds
             raise ValueError(f"this layer computes a {rows}-row step as {need} rows: x and out need as many")
         if self.blocks:
-            if rows <= SMALL_ROWS:
-                quantized_linear.linear_few(x, self.weight, self.bias, out, rows, self.weight_rows == 4)
+            if rows <= SMALL_ROWS and self.weight_rows == 4:
+                quantized_linear.linear_few_paired(x, self.weight, self.bias, out, rows)
+            elif rows <= SMALL_ROWS:
+                quantized_linear.linear_few(x, self.weight, self.bias, out, rows)
             elif rows <= ROW_BLOCK and self.weight_rows == 4:
                 quantized_linear.linear_four(x, self.weight, self.bias, out)
             elif need <= quantized_linear.REGISTER_ROWS and need % PAIRED_ROWS == 0 and self.weight_rows == 4:
@@ -539,8 +541,8 @@ class SameInput:
             raise ValueError(f"{len(self.layers)} layers need as many outputs, got {len(outs)}")
         if len(x) < SMALL_ROWS or any(len(out) < SMALL_ROWS for out in outs):  # the kernel does not check bounds
             raise ValueError(f"these layers compute a {rows}-row step as {SMALL_ROWS} rows: x and outs need as many")
-        quantized_linear.linear_three(x, *self._weights, *self._biases, *outs, *(self._no_rows,) * (3 - len(outs)),
-                                      rows, self.paired)
+        three = quantized_linear.linear_three_paired if self.paired else quantized_linear.linear_three
+        three(x, *self._weights, *self._biases, *outs, *(self._no_rows,) * (3 - len(outs)), rows)
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
@@ -656,32 +658,34 @@ def blocks_agree(in_features: int, kind: str = "float32") -> bool:
 
 
 @functools.cache
-def stored_blocks_agree(in_features: int, kind: str) -> bool:
-    """Whether the kernels over stored ``kind`` blocks (`quantized_linear`: the 1- and 2-row
-    blocks, paired and not, the 8x4 and 4x8 blocks and the de-quantised panels under both
-    weight-row layouts) give the bits the float 4x4
-    block gives on the ``gguf`` package's de-quantisation of the same random blocks: what
-    makes a model read as stored bit-identical to its float copy. `Linear` asserts it once
-    per width and format."""
+def stored_blocks_agree(in_features: int, kind: str, weight_rows: int = WEIGHT_ROWS) -> bool:
+    """Whether the kernels over stored ``kind`` blocks that a layer of ``weight_rows`` runs
+    (`quantized_linear`; 4: the paired 1- and 2-row blocks, the 8x4 and 4x8 blocks and the
+    panels under the 4x8 / 4x4 blocks; 3: the 4x1 / 4x2 blocks and the panels under the 3x4
+    block) give the bits the float 4x4 block gives on the ``gguf`` package's de-quantisation
+    of the same random blocks: what makes a model read as stored bit-identical to its float
+    copy. `Linear` asserts it once per width, format and layout (only what it runs is
+    compiled)."""
     rng = np.random.default_rng(in_features)
     columns = 3 * 4 * SMALL_COL_BLOCK + 2 * 8 + 1
     stored = quantized.random_blocks(rng, columns, in_features, kind)
     bias = rng.standard_normal(columns, dtype=np.float32)
     x = rng.standard_normal((ROW_BLOCK, in_features), dtype=np.float32)
     want = _four_rows(x, quantized.dequantize(stored), bias)
+    few_rows = quantized_linear.linear_few_paired if weight_rows == 4 else quantized_linear.linear_few
     ok = True
     for rows in (1, 2):
-        for paired in (True, False):
-            few = np.zeros((ROW_BLOCK, columns), np.float32)
-            quantized_linear.linear_few(x, stored, bias, few, rows, paired)
-            ok &= few[:rows].tobytes() == want[:rows].tobytes()
+        few = np.zeros((ROW_BLOCK, columns), np.float32)
+        few_rows(x, stored, bias, few, rows)
+        ok &= few[:rows].tobytes() == want[:rows].tobytes()
+    panels = np.zeros((ROW_BLOCK, columns), np.float32)
+    quantized_linear.linear_panels(x, stored, bias, panels, ROW_BLOCK, weight_rows)
+    ok &= panels.tobytes() == want.tobytes()
+    if weight_rows == 3:
+        return bool(ok)
     four = np.zeros((ROW_BLOCK, columns), np.float32)
     quantized_linear.linear_four(x, stored, bias, four)
     ok &= four.tobytes() == want.tobytes()
-    for weight_rows in (4, 3):
-        panels = np.zeros((ROW_BLOCK, columns), np.float32)
-        quantized_linear.linear_panels(x, stored, bias, panels, ROW_BLOCK, weight_rows)
-        ok &= panels.tobytes() == want.tobytes()
     x = _twelve_rows(rng, in_features)  # a 4x8 block (over the panels; in registers), then a 4x4
     want = _rows_in_fours(x, quantized.dequantize(stored), bias).tobytes()
     panels, eights = np.zeros((len(x), columns), np.float32), np.zeros((len(x), columns), np.float32)

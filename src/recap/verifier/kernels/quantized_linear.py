@@ -389,14 +389,22 @@ def _tasks(w, paired):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def linear_few(x, w, bias, out, rows, paired):  # pragma: no cover - compiled
+def linear_few(x, w, bias, out, rows):  # pragma: no cover - compiled
     """``out[:rows] = x[:rows] @ dequantised(w).T + bias`` for ``rows`` 1 or 2: x: (>= rows,
-    K) f32, out: (>= rows, N) f32. With ``paired`` (512-bit registers: `linear.WEIGHT_ROWS`
-    4) output columns q, q + N/8, ..., q + 7N/8 together, two weight rows a vector (the 8x1 /
-    8x2 blocks), else q, q + N/4, q + 2N/4, q + 3N/4 (the 4x1 / 4x2 blocks); the last
-    columns one at a time (`_part_columns`)."""
-    for task in prange(_tasks(w, paired)):
-        _part_columns(x, w, bias, out, task, rows, paired)
+    K) f32, out: (>= rows, N) f32; output columns q, q + N/4, q + 2N/4, q + 3N/4 together
+    (four sequential streams: the 4x1 / 4x2 blocks), the last N mod 4 one at a time
+    (`_part_columns`). For 16-register CPUs; `linear_few_paired` where registers are 512 bits."""
+    for task in prange(_tasks(w, False)):
+        _part_columns(x, w, bias, out, task, rows, False)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def linear_few_paired(x, w, bias, out, rows):  # pragma: no cover - compiled
+    """`linear_few` where registers are 512 bits (`linear.WEIGHT_ROWS` 4): output columns q,
+    q + N/8, ..., q + 7N/8 together, two weight rows a vector (the 8x1 / 8x2 blocks). Its own
+    function, not a flag: each compiles only its blocks."""
+    for task in prange(_tasks(w, True)):
+        _part_columns(x, w, bias, out, task, rows, True)
 
 
 @njit(parallel=True, cache=True, nogil=True)
@@ -435,7 +443,7 @@ def linear_eights(x, w, bias, out, rows):  # pragma: no cover - compiled
 
 
 @njit(parallel=True, cache=True, nogil=True)
-def linear_three(x, w0, w1, w2, b0, b1, b2, o0, o1, o2, rows, paired):  # pragma: no cover - compiled
+def linear_three(x, w0, w1, w2, b0, b1, b2, o0, o1, o2, rows):  # pragma: no cover - compiled
     """`linear_few` of three weights of one block format that read the same x (a layer's q,
     k and v; gate and up, with a w2 of no rows), in one parallel region: ``o<i>[:rows] =
     x[:rows] @ dequantised(w<i>).T + b<i>`` for ``rows`` 1 or 2. Weight i's tasks are the
@@ -444,15 +452,29 @@ def linear_three(x, w0, w1, w2, b0, b1, b2, o0, o1, o2, rows, paired):  # pragma
     and one start-up of the thread pool instead of three. (Arguments, not a tuple of arrays: a
     tuple indexed per task compiled to slower blocks, and so did one function holding the 4x4
     block too: measured in docs/kernels.md.)"""
-    n0 = _tasks(w0, paired)
-    n1 = n0 + _tasks(w1, paired)
-    for task in prange(n1 + _tasks(w2, paired)):
+    n0 = _tasks(w0, False)
+    n1 = n0 + _tasks(w1, False)
+    for task in prange(n1 + _tasks(w2, False)):
         if task < n0:
-            _part_columns(x, w0, b0, o0, task, rows, paired)
+            _part_columns(x, w0, b0, o0, task, rows, False)
         elif task < n1:
-            _part_columns(x, w1, b1, o1, task - n0, rows, paired)
+            _part_columns(x, w1, b1, o1, task - n0, rows, False)
         else:
-            _part_columns(x, w2, b2, o2, task - n1, rows, paired)
+            _part_columns(x, w2, b2, o2, task - n1, rows, False)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def linear_three_paired(x, w0, w1, w2, b0, b1, b2, o0, o1, o2, rows):  # pragma: no cover - compiled
+    """`linear_three` on `linear_few_paired`'s blocks (512-bit registers)."""
+    n0 = _tasks(w0, True)
+    n1 = n0 + _tasks(w1, True)
+    for task in prange(n1 + _tasks(w2, True)):
+        if task < n0:
+            _part_columns(x, w0, b0, o0, task, rows, True)
+        elif task < n1:
+            _part_columns(x, w1, b1, o1, task - n0, rows, True)
+        else:
+            _part_columns(x, w2, b2, o2, task - n1, rows, True)
 
 
 @njit(parallel=True, cache=True, nogil=True)
