@@ -658,7 +658,7 @@ def blocks_agree(in_features: int, kind: str = "float32") -> bool:
 
 
 @functools.cache
-def stored_blocks_agree(in_features: int, kind: str, weight_rows: int = WEIGHT_ROWS) -> bool:
+def stored_blocks_agree(in_features: int, kind: str, weight_rows: int) -> bool:
     """Whether the kernels over stored ``kind`` blocks that a layer of ``weight_rows`` runs
     (`quantized_linear`; 4: the paired 1- and 2-row blocks, the 8x4 and 4x8 blocks and the
     panels under the 4x8 / 4x4 blocks; 3: the 4x1 / 4x2 blocks and the panels under the 3x4
@@ -686,9 +686,12 @@ def stored_blocks_agree(in_features: int, kind: str, weight_rows: int = WEIGHT_R
     four = np.zeros((ROW_BLOCK, columns), np.float32)
     quantized_linear.linear_four(x, stored, bias, four)
     ok &= four.tobytes() == want.tobytes()
-    x = _twelve_rows(rng, in_features)  # a 4x8 block (over the panels; in registers), then a 4x4
-    want = _rows_in_fours(x, quantized.dequantize(stored), bias).tobytes()
-    panels, eights = np.zeros((len(x), columns), np.float32), np.zeros((len(x), columns), np.float32)
+    weights = quantized.dequantize(stored)
+    x = _twelve_rows(rng, in_features)  # the 4x8 block over the panels, then the 4x4
+    panels = np.zeros((len(x), columns), np.float32)
     quantized_linear.linear_panels(x, stored, bias, panels, len(x), 4)
+    ok &= panels.tobytes() == _rows_in_fours(x, weights, bias).tobytes()
+    x = rng.standard_normal((2 * PAIRED_ROWS, in_features), dtype=np.float32)  # two 4x8 blocks in registers
+    eights = np.zeros((len(x), columns), np.float32)
     quantized_linear.linear_eights(x, stored, bias, eights, len(x))
-    return bool(ok and panels.tobytes() == want and eights.tobytes() == want)
+    return bool(ok and eights.tobytes() == _rows_in_fours(x, weights, bias).tobytes())

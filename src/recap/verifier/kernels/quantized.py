@@ -205,9 +205,8 @@ def _fifth_bits(builder: ir.IRBuilder, blocks: Blocks, start: int, group: ir.Val
     bytes_ = _spread(builder, [builder.lshr(_at(builder, block, start, _I32), shift) for block in blocks], count)
     width = len(blocks) * count
     set_ = builder.icmp_unsigned("!=", builder.and_(bytes_, _constant(blocks, [1 << j for j in range(count)])),
-                                 ir.Constant(ir.VectorType(_I32, width), [0] * width))
-    return builder.shl(builder.zext(set_, ir.VectorType(_I32, width)), ir.Constant(ir.VectorType(_I32, width),
-                                                                                     [4] * width))
+                                 _constant(blocks, [0] * count))
+    return builder.shl(builder.zext(set_, ir.VectorType(_I32, width)), _constant(blocks, [4] * count))
 
 
 def _scale_and_shift(builder: ir.IRBuilder, d: ir.Value, q: ir.Value, m: ir.Value) -> ir.Value:

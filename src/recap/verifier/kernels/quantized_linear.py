@@ -423,20 +423,17 @@ def linear_four(x, w, bias, out):  # pragma: no cover - compiled
 
 @njit(parallel=True, cache=True, nogil=True)
 def linear_eights(x, w, bias, out, rows):  # pragma: no cover - compiled
-    """``out[:rows] = x[:rows] @ dequantised(w).T + bias`` for ``rows`` a multiple of 4 (x and
+    """``out[:rows] = x[:rows] @ dequantised(w).T + bias`` for ``rows`` a multiple of 8 (x and
     out hold them) where registers are 512 bits, for steps up to `REGISTER_ROWS`: per group of
     4 weight rows q, q + N/4, ... (two pairs), every 8 token rows on the 4x8 block, each time
-    de-quantising again in registers (cheaper than a panel for so few rows), a last 4 on the
-    4x4 block; the last N mod 4 columns one at a time."""
+    de-quantising again in registers (cheaper than a panel for so few rows); the last N mod 4
+    columns one at a time."""
     quarter = w.shape[0] // COL_BLOCK
     tasks = -(-quarter // CHUNK)
-    eights = rows - rows % PAIRED_ROWS
     for task in prange(tasks):
         for q in range(task * CHUNK, min(quarter, (task + 1) * CHUNK)):
-            for m0 in range(0, eights, PAIRED_ROWS):
+            for m0 in range(0, rows, PAIRED_ROWS):
                 _block4x8(x, m0, w, q, quarter, out, q, quarter, bias)
-            if eights < rows:
-                _block4x4(x, eights, w, q, quarter, out, q, quarter, bias)
     for n in range(quarter * COL_BLOCK, w.shape[0]):
         for m0 in range(0, rows, ROW_BLOCK):
             _block4x4(x, m0, w, n, 0, out, n, 0, bias)
