@@ -211,12 +211,12 @@ def _float64_row(x, w, bias, out, row):
     out[row, :len(w)] = (wide + bias if len(bias) else wide).astype(np.float32)
 
 
-@pytest.mark.parametrize("name", ["linear_few_paired", "linear_four", "linear_eights", "linear_few"])
+@pytest.mark.parametrize("name", ["linear_few_paired", "linear_four", "linear_eights", "linear_twelve", "linear_few"])
 def test_a_stored_block_out_of_the_written_order_is_refused(name, monkeypatch):
     """The load-time check of the stored blocks can fail: the paired 8x1 / 8x2 blocks
     (`linear_few_paired`), the 8x4 block (`linear_four`), the 4x8 block in registers
-    (`linear_eights`) or the 4x1 / 4x2 blocks (`linear_few`, the 3-row layout's) with one
-    token row summed in float64 make `stored_blocks_agree` false, and `Linear` refuses the
+    (`linear_eights`), the 2x12 block (`linear_twelve`) or the 4x1 / 4x2 blocks (`linear_few`,
+    the 3-row layout's) with one token row summed in float64 make `stored_blocks_agree` false, and `Linear` refuses the
     weights instead of giving other bits than the float layer."""
     weight_rows = 3 if name == "linear_few" else 4
     check = kernel_linear.stored_blocks_agree.__wrapped__
@@ -226,10 +226,10 @@ def test_a_stored_block_out_of_the_written_order_is_refused(name, monkeypatch):
         def kernel(x, w, bias, out, rows):
             real(x, w, bias, out, rows)
             _float64_row(x, w, bias, out, rows - 1)
-    elif name == "linear_four":
+    elif name in ("linear_four", "linear_twelve"):
         def kernel(x, w, bias, out):
             real(x, w, bias, out)
-            _float64_row(x, w, bias, out, 3)
+            _float64_row(x, w, bias, out, len(x) - 1)
     else:
         def kernel(x, w, bias, out, rows):
             real(x, w, bias, out, rows)

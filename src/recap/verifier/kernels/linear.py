@@ -448,6 +448,8 @@ class Linear:
                 quantized_linear.linear_four(x, self.weight, self.bias, out)
             elif need <= quantized_linear.REGISTER_ROWS and need % PAIRED_ROWS == 0 and self.weight_rows == 4:
                 quantized_linear.linear_eights(x, self.weight, self.bias, out, need)
+            elif need == quantized_linear.TWELVE_ROWS and self.weight_rows == 4:
+                quantized_linear.linear_twelve(x, self.weight, self.bias, out)
             else:
                 quantized_linear.linear_panels(x, self.weight, self.bias, out, need, self.weight_rows)
         elif rows <= SMALL_ROWS and self.few_rows:
@@ -660,8 +662,8 @@ def blocks_agree(in_features: int, kind: str = "float32") -> bool:
 @functools.cache
 def stored_blocks_agree(in_features: int, kind: str, weight_rows: int) -> bool:
     """Whether the kernels over stored ``kind`` blocks that a layer of ``weight_rows`` runs
-    (`quantized_linear`; 4: the paired 1- and 2-row blocks, the 8x4 and 4x8 blocks and the
-    panels under the 4x8 / 4x4 blocks; 3: the 4x1 / 4x2 blocks and the panels under the 3x4
+    (`quantized_linear`; 4: the paired 1- and 2-row blocks, the 8x4, 4x8 and 2x12 blocks and
+    the panels under the 4x8 / 4x4 blocks; 3: the 4x1 / 4x2 blocks and the panels under the 3x4
     block) give the bits the float 4x4 block gives on the ``gguf`` package's de-quantisation
     of the same random blocks: what makes a model read as stored bit-identical to its float
     copy. `Linear` asserts it once per width, format and layout (only what it runs is
@@ -694,4 +696,8 @@ def stored_blocks_agree(in_features: int, kind: str, weight_rows: int) -> bool:
     x = rng.standard_normal((2 * PAIRED_ROWS, in_features), dtype=np.float32)  # two 4x8 blocks in registers
     eights = np.zeros((len(x), columns), np.float32)
     quantized_linear.linear_eights(x, stored, bias, eights, len(x))
-    return bool(ok and eights.tobytes() == _rows_in_fours(x, weights, bias).tobytes())
+    ok &= eights.tobytes() == _rows_in_fours(x, weights, bias).tobytes()
+    x = x[:quantized_linear.TWELVE_ROWS]  # the 2x12 block, and an odd last column on the 4x4
+    twelve = np.zeros((len(x), columns), np.float32)
+    quantized_linear.linear_twelve(x, stored, bias, twelve)
+    return bool(ok and twelve.tobytes() == _rows_in_fours(x, weights, bias).tobytes())

@@ -20,6 +20,8 @@ float layer's, bit for bit; only the bytes read differ. Three shapes:
 - **8 or 16 computed rows** (`linear_eights`, 512-bit registers only; `REGISTER_ROWS`): 4
   weight rows as two pairs against 8 token rows at a time (the 4x8 block), de-quantised
   again for each 8: for so few rows that beats writing and reading a panel.
+- **12 computed rows** (`linear_twelve`, 512-bit registers only): one pair of weight rows
+  against all 12 token rows (the 2x12 block: 12 accumulators), each pair de-quantised once.
 - **More rows** (`linear_panels`; on AVX2 every step past 2 rows): a group of
   `linear.COL_BLOCK` (or 3) weight rows spread over the matrix is de-quantised once into a
   small float32 panel that stays in L1, then the float 4x8 and 4x4 blocks (or the 3x4 block)
@@ -52,8 +54,14 @@ PAIRED_CHUNK = CHUNK // 2
 """Paired column blocks per parallel task: a task covers as many weight rows as unpaired."""
 REGISTER_ROWS = 16
 """Steps of 8 or 16 computed rows (5-8, 13-16 asked) de-quantise in registers
-(`linear_eights`) where registers are 512 bits; others once into panels (`linear_panels`):
-past 16 rows, or with a last 4 rows, the panels were faster (docs/kernels.md)."""
+(`linear_eights`) where registers are 512 bits, and so do steps of `TWELVE_ROWS`
+(`linear_twelve`); others once into panels (`linear_panels`): past 16 rows the panels were
+faster (docs/kernels.md)."""
+TWELVE_ROWS = 12
+"""Computed rows of the 2x12 block (`linear_twelve`; 9-12 asked): 8 + 4 rows on the 4x8 and
+a 4-row block de-quantised each pair twice and ran slower than the panels."""
+PAIR_CHUNK = CHUNK * COL_BLOCK // 2
+"""Weight-row pairs per parallel task of `linear_twelve`: as many weight rows as the others'."""
 
 
 @njit(inline="always")
@@ -344,6 +352,41 @@ def _block4x8(x, m0, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compil
 
 
 @njit(inline="always")
+def _block2x12(x, w, r0, rs, out, c0, cs, bias):  # pragma: no cover - compiled
+    # Token rows 0 .. 11 against weight rows r0 and r0 + rs as one pair (a<j>: token row j):
+    # 12 accumulators and the 4 de-quantised pairs, each used for all 12 rows; each x group is
+    # loaded into both halves where it is used.
+    a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = a8 = a9 = a10 = a11 = pairs.zeros()
+    for k in range(0, x.shape[1], BLOCK):
+        lanes.keep_rolled()
+        u0, u1, u2, u3 = pairs.load_blocks(w, r0, r0 + rs, k)
+        a0 = _row_twice(x, 0, k, u0, u1, u2, u3, a0)
+        a1 = _row_twice(x, 1, k, u0, u1, u2, u3, a1)
+        a2 = _row_twice(x, 2, k, u0, u1, u2, u3, a2)
+        a3 = _row_twice(x, 3, k, u0, u1, u2, u3, a3)
+        a4 = _row_twice(x, 4, k, u0, u1, u2, u3, a4)
+        a5 = _row_twice(x, 5, k, u0, u1, u2, u3, a5)
+        a6 = _row_twice(x, 6, k, u0, u1, u2, u3, a6)
+        a7 = _row_twice(x, 7, k, u0, u1, u2, u3, a7)
+        a8 = _row_twice(x, 8, k, u0, u1, u2, u3, a8)
+        a9 = _row_twice(x, 9, k, u0, u1, u2, u3, a9)
+        a10 = _row_twice(x, 10, k, u0, u1, u2, u3, a10)
+        a11 = _row_twice(x, 11, k, u0, u1, u2, u3, a11)
+    _store_pair(out, 0, c0, cs, a0, bias)
+    _store_pair(out, 1, c0, cs, a1, bias)
+    _store_pair(out, 2, c0, cs, a2, bias)
+    _store_pair(out, 3, c0, cs, a3, bias)
+    _store_pair(out, 4, c0, cs, a4, bias)
+    _store_pair(out, 5, c0, cs, a5, bias)
+    _store_pair(out, 6, c0, cs, a6, bias)
+    _store_pair(out, 7, c0, cs, a7, bias)
+    _store_pair(out, 8, c0, cs, a8, bias)
+    _store_pair(out, 9, c0, cs, a9, bias)
+    _store_pair(out, 10, c0, cs, a10, bias)
+    _store_pair(out, 11, c0, cs, a11, bias)
+
+
+@njit(inline="always")
 def _unpack(w, row, panel, slot):  # pragma: no cover - compiled
     # panel[slot] = weight row ``row`` of w, de-quantised (K a multiple of BLOCK)
     for k in range(0, panel.shape[1], BLOCK):
@@ -436,6 +479,22 @@ def linear_eights(x, w, bias, out, rows):  # pragma: no cover - compiled
                 _block4x8(x, m0, w, q, quarter, out, q, quarter, bias)
     for n in range(quarter * COL_BLOCK, w.shape[0]):
         for m0 in range(0, rows, ROW_BLOCK):
+            _block4x4(x, m0, w, n, 0, out, n, 0, bias)
+
+
+@njit(parallel=True, cache=True, nogil=True)
+def linear_twelve(x, w, bias, out):  # pragma: no cover - compiled
+    """``out[:12] = x[:12] @ dequantised(w).T + bias`` (x and out hold `TWELVE_ROWS` rows)
+    where registers are 512 bits: weight rows q and q + N/2 as one pair against the 12 token
+    rows (the 2x12 block), each pair de-quantised once; the last N mod 2 columns one at a
+    time on the 4x4 block."""
+    half = w.shape[0] // 2
+    tasks = -(-half // PAIR_CHUNK)
+    for task in prange(tasks):
+        for q in range(task * PAIR_CHUNK, min(half, (task + 1) * PAIR_CHUNK)):
+            _block2x12(x, w, q, half, out, q, half, bias)
+    for n in range(2 * half, w.shape[0]):
+        for m0 in range(0, TWELVE_ROWS, ROW_BLOCK):
             _block4x4(x, m0, w, n, 0, out, n, 0, bias)
 
 
