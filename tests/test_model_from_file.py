@@ -21,6 +21,8 @@ from recap.verifier.kernels import FastDecoder, quantized, random_gguf, stored
 from recap.verifier.kernels.stored import StoredWeights, model_from_file, unmade
 from tests.helpers import assert_drafted, step_logits
 
+pytestmark = pytest.mark.xdist_group("model_from_file")  # one worker: the module's files load (and compile) once
+
 SHAPES = {
     "llama": random_gguf.Shape(formats={"embed": "Q8_0", "q": "Q4_0", "k": "Q4_1", "v": "Q5_0", "o": "Q5_1",
                                         "gate": "Q4_K", "up": "Q5_K", "down": "Q6_K"}),

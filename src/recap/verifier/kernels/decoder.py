@@ -18,7 +18,7 @@ import torch
 from recap.verifier.kernels import ops, quantized, quantized_linear, threads
 from recap.verifier.kernels.args import DecoderArgs, language_model
 from recap.verifier.kernels.cache import KVCache
-from recap.verifier.kernels.linear import ROW_BLOCK, GrownLinear, Linear, SameInput, padded_rows
+from recap.verifier.kernels.linear import ROW_BLOCK, GrownLinear, Linear, SameInput, padded_rows, read_only
 from recap.verifier.kernels.stored import StoredWeights
 
 
@@ -136,7 +136,7 @@ class FastDecoder:
             weight = _vector(module.weight)
             return weight if not args.norm_offset else np.float32(args.norm_offset) + weight
 
-        self.embed = _weight(decoder.embed_tokens.weight) if embed_blocks is None else embed_blocks
+        self.embed = _weight(decoder.embed_tokens.weight) if embed_blocks is None else read_only(embed_blocks)
         self._grown_embed = None if embed_blocks is None else \
             np.ascontiguousarray(_weight(decoder.embed_tokens.weight)[len(embed_blocks):]).astype(np.float32)
         """Embedding rows past the GGUF file's vocabulary (float32), for a stored embedding."""

@@ -410,7 +410,7 @@ class Linear:
             raise ValueError(f"weight_rows must be 3 or 4, got {self.weight_rows!r}")
         self.blocks = quantized.format_of(weight.dtype)
         """The GGUF block format the weights are stored in (None: floats)."""
-        self.weight = weight if self.blocks else storage(weight, float16=float16)
+        self.weight = read_only(weight) if self.blocks else storage(weight, float16=float16)
         self.bias = NO_BIAS if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
         self.out_features = weight.shape[0]
         self.in_features = quantized.weights_per_row(weight) if self.blocks else weight.shape[1]
@@ -526,11 +526,11 @@ class SameInput:
         if self.joined:
             # read-only views: the kernel takes its weights as one array type, and a weight
             # mapped from the file is read-only where a copied one (Llama's q / k rows) is not
-            self._weights = [_read_only(layer.weight) for layer in layers]
-            self._biases = [_read_only(layer.bias) for layer in layers]
+            self._weights = [read_only(layer.weight) for layer in layers]
+            self._biases = [read_only(layer.bias) for layer in layers]
             if len(layers) == 2:  # a third weight of no rows: no tasks
-                self._weights.append(_read_only(np.zeros((0, first.weight.shape[1]), first.weight.dtype)))
-                self._biases.append(_read_only(NO_BIAS))
+                self._weights.append(read_only(np.zeros((0, first.weight.shape[1]), first.weight.dtype)))
+                self._biases.append(read_only(NO_BIAS))
         self._no_rows = np.zeros((0, 0), np.float32)
 
     def __call__(self, x: np.ndarray, outs: tuple[np.ndarray, ...], rows: int) -> None:
@@ -547,7 +547,11 @@ class SameInput:
         three(x, *self._weights, *self._biases, *outs, *(self._no_rows,) * (3 - len(outs)), rows)
 
 
-def _read_only(array: np.ndarray) -> np.ndarray:
+def read_only(array: np.ndarray) -> np.ndarray:
+    """A read-only view of ``array``, as the kernels are handed weights: numba compiles a
+    writable array as another type than a read-only one (a GGUF file's mapped blocks), so
+    blocks of both kinds (the load-time check's random ones, a copy such as Llama's permuted
+    q / k rows) compiled every stored kernel twice per format."""
     view = array.view()
     view.flags.writeable = False
     return view
@@ -670,7 +674,7 @@ def stored_blocks_agree(in_features: int, kind: str, weight_rows: int) -> bool:
     compiled)."""
     rng = np.random.default_rng(in_features)
     columns = 3 * 4 * SMALL_COL_BLOCK + 2 * 8 + 1
-    stored = quantized.random_blocks(rng, columns, in_features, kind)
+    stored = read_only(quantized.random_blocks(rng, columns, in_features, kind))  # as layers hold them
     bias = rng.standard_normal(columns, dtype=np.float32)
     x = rng.standard_normal((ROW_BLOCK, in_features), dtype=np.float32)
     want = _four_rows(x, quantized.dequantize(stored), bias)
