@@ -411,7 +411,8 @@ class Linear:
         self.blocks = quantized.format_of(weight.dtype)
         """The GGUF block format the weights are stored in (None: floats)."""
         self.weight = read_only(weight) if self.blocks else storage(weight, float16=float16)
-        self.bias = NO_BIAS if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+        bias = NO_BIAS if bias is None else np.ascontiguousarray(bias, dtype=np.float32)
+        self.bias = read_only(bias) if self.blocks else bias  # the stored kernels see one signature (`read_only`)
         self.out_features = weight.shape[0]
         self.in_features = quantized.weights_per_row(weight) if self.blocks else weight.shape[1]
         if self.blocks and self.in_features % self.blocks.block:  # pragma: no cover - whole blocks by construction
@@ -675,7 +676,7 @@ def stored_blocks_agree(in_features: int, kind: str, weight_rows: int) -> bool:
     rng = np.random.default_rng(in_features)
     columns = 3 * 4 * SMALL_COL_BLOCK + 2 * 8 + 1
     stored = read_only(quantized.random_blocks(rng, columns, in_features, kind))  # as layers hold them
-    bias = rng.standard_normal(columns, dtype=np.float32)
+    bias = read_only(rng.standard_normal(columns, dtype=np.float32))
     x = rng.standard_normal((ROW_BLOCK, in_features), dtype=np.float32)
     want = _four_rows(x, quantized.dequantize(stored), bias)
     few_rows = quantized_linear.linear_few_paired if weight_rows == 4 else quantized_linear.linear_few
