@@ -146,7 +146,7 @@ def test_the_image_attention_gate_sees_the_final_layers_window():
 
 
 # ----------------------------------------------------------------------------- Gemma-3-270M
-one_worker = pytest.mark.xdist_group("gemma3")  # one worker loads it once
+one_worker = pytest.mark.xdist_group("gguf_files")  # one worker loads it once (with tests/test_model_from_file.py)
 
 
 @pytest.fixture

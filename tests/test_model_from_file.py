@@ -21,7 +21,9 @@ from recap.verifier.kernels import FastDecoder, quantized, random_gguf, stored
 from recap.verifier.kernels.stored import StoredWeights, model_from_file, unmade
 from tests.helpers import assert_drafted, step_logits
 
-pytestmark = pytest.mark.xdist_group("model_from_file")  # one worker: the module's files load (and compile) once
+# One worker, Gemma-3-270M's (tests/test_gemma3.py): the module's files load once, and the stored kernels
+# of the formats both read compile once, not in both workers at the same time.
+pytestmark = pytest.mark.xdist_group("gguf_files")
 
 SHAPES = {
     "llama": random_gguf.Shape(formats={"embed": "Q8_0", "q": "Q4_0", "k": "Q4_1", "v": "Q5_0", "o": "Q5_1",
