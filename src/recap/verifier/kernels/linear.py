@@ -549,10 +549,10 @@ class SameInput:
 
 
 def read_only(array: np.ndarray) -> np.ndarray:
-    """A read-only view of ``array``, as the kernels are handed weights: numba compiles a
-    writable array as another type than a read-only one (a GGUF file's mapped blocks), so
-    blocks of both kinds (the load-time check's random ones, a copy such as Llama's permuted
-    q / k rows) compiled every stored kernel twice per format."""
+    """A read-only view of ``array``, as the kernels are handed stored weights and biases:
+    numba compiles a writable array as another type than a read-only one (a GGUF file's
+    mapped blocks), so blocks of both kinds (the load-time check's random ones, a copy such
+    as Llama's permuted q / k rows) would compile every stored kernel twice per format."""
     view = array.view()
     view.flags.writeable = False
     return view

@@ -3,7 +3,7 @@ de-quantised once per step.
 
 Each weight is de-quantised to the float32 the float model holds (`quantized`), then
 multiplied in `lanes` order like every float block (`linear`), so a layer's output is the
-float layer's, bit for bit; only the bytes read differ. Three shapes:
+float layer's, bit for bit; only the bytes read differ. By the step's rows:
 
 - **1 or 2 token rows** (`linear_few`): a 4x1 or 4x2 register block over weight rows spread
   across the matrix (four sequential streams), reading a whole 32-weight block of each at a
@@ -421,8 +421,8 @@ def _part_columns(x, w, bias, out, task, rows, paired):  # pragma: no cover - co
                 _block4x2(x, w, n, 0, out, n, 0, bias)
 
 
-# `_part_columns` as functions of their own, not inlined: `linear_three` calls one three
-# times, and inlined thrice its blocks compiled 3x as long (about 22 s a format against 6).
+# `_part_columns` as functions of their own, not inlined: `linear_three` calls one for each of
+# its three weights, and inlined it compiled the same blocks three times (docs/testing.md).
 @njit(cache=True, nogil=True)
 def _columns(x, w, bias, out, task, rows):  # pragma: no cover - compiled
     _part_columns(x, w, bias, out, task, rows, False)
