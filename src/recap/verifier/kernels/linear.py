@@ -525,10 +525,10 @@ class SameInput:
         self._weights: list[np.ndarray] = []
         self._biases: list[np.ndarray] = []
         if self.joined:
-            # read-only views: the kernel takes its weights as one array type, and a weight
-            # mapped from the file is read-only where a copied one (Llama's q / k rows) is not
-            self._weights = [read_only(layer.weight) for layer in layers]
-            self._biases = [read_only(layer.bias) for layer in layers]
+            # a stored layer's weight and bias are read-only (`read_only`): the no-row third
+            # weight is made so too, so the kernel takes its arguments as one array type
+            self._weights = [layer.weight for layer in layers]
+            self._biases = [layer.bias for layer in layers]
             if len(layers) == 2:  # a third weight of no rows: no tasks
                 self._weights.append(read_only(np.zeros((0, first.weight.shape[1]), first.weight.dtype)))
                 self._biases.append(read_only(NO_BIAS))
