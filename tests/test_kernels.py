@@ -4,6 +4,8 @@ that node's path; the linear kernel's rows never depend on their neighbours; a k
 arithmetic depends on the row count is caught. Agreement with stock transformers is checked
 as closeness, never as exactness."""
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -215,6 +217,44 @@ def test_quad_attention_out_of_the_written_order_is_refused(monkeypatch):
     with pytest.raises(kernel_linear.KernelDefect, match="lanes"):
         ops.QuadAttention(9, 3, 64)
 
+
+
+@njit(error_model="numpy")
+def _softmax_from(row, low, length, scale):
+    ops._softmax(row[low:length], scale)
+
+
+@njit(error_model="numpy")
+def _softmax_indexed_from(row, low, length, scale):
+    # `_softmax`'s operations with the row indexed from ``low`` (as before revision 15)
+    for j in range(low, length):
+        row[j] = row[j] * np.float32(scale)
+    peak = ops._max32(row[low:length])
+    for j in range(low, length):
+        row[j] = exp32(row[j] - peak)
+    total = ops._sum32(row[low:length])
+    for j in range(low, length):
+        row[j] = row[j] / total
+
+
+def _vector_float_ops(function) -> int:
+    function(np.ones(40, np.float32), 3, 30, 0.5)
+    code = "\n".join(function.inspect_llvm().values())
+    return len(re.findall(r"(?:fmul|fdiv|fsub)(?: \w+)* <\d+ x float>", code))
+
+
+def test_attention_softmax_vectorises_from_a_variable_first_key():
+    """Speed, not bits: the softmax of both attention kernels runs on a slice from a query's
+    first key (variable under a sliding window) and compiles to vector arithmetic. Its
+    negative control, the same loops indexing the row from that key, compiles element by
+    element (numba's negative-index wraparound on each index: 4x slower, revision 14)."""
+    row = np.random.default_rng(0).standard_normal(40).astype(np.float32)
+    sliced, indexed = row.copy(), row.copy()
+    _softmax_from(sliced, 3, 30, 0.5)
+    _softmax_indexed_from(indexed, 3, 30, 0.5)
+    assert sliced.tobytes() == indexed.tobytes()
+    assert _vector_float_ops(_softmax_from) > 0
+    assert _vector_float_ops(_softmax_indexed_from) == 0
 
 # ----------------------------------------------------------------------------- the linear kernel
 @settings(max_examples=15, deadline=None)
