@@ -187,8 +187,9 @@ def test_a_wrong_dequantisation_is_caught(mistake, reader, monkeypatch):
 @pytest.mark.parametrize("name", FORMATS)
 def test_a_layer_on_stored_blocks_gives_the_float_layers_bits(name, weight_rows):
     """Every row count's path (1, 2: the few-row blocks; 3, 4: the 8x4 block or panels;
-    5-8 and 13-16: the 4x8 block in registers or panels; 9-12: panels), N not a multiple of 4
-    (the last columns one at a time), a bias."""
+    5-8, 13-16, 21-24 and 29-32: the 4x8 block in registers or panels; 9-12: the 2x12 block or
+    panels; 17-20, 25-28, 33: panels), N not a multiple of 4 (the last columns one at a time),
+    a bias."""
     rng = np.random.default_rng(weight_rows)
     width = 96 if quantized.FORMATS[name].block == 32 else 256
     stored = quantized.random_blocks(rng, 4 * 9 + 3, width, name)
@@ -196,10 +197,10 @@ def test_a_layer_on_stored_blocks_gives_the_float_layers_bits(name, weight_rows)
     on_blocks = Linear(stored, bias, weight_rows=weight_rows)
     on_floats = Linear(quantized.dequantize(stored), bias, weight_rows=weight_rows)
     assert on_blocks.blocks.name == name and on_floats.blocks is None
-    x = rng.standard_normal((16, width), dtype=np.float32)
-    for rows in range(1, 17):
-        a = np.zeros((16, len(stored)), np.float32)
-        b = np.zeros((16, len(stored)), np.float32)
+    x = rng.standard_normal((36, width), dtype=np.float32)
+    for rows in range(1, 34):
+        a = np.zeros((36, len(stored)), np.float32)
+        b = np.zeros((36, len(stored)), np.float32)
         on_blocks(x, a, rows)
         on_floats(x, b, rows)
         np.testing.assert_array_equal(a[:rows].view(np.uint32), b[:rows].view(np.uint32), err_msg=f"{rows} rows")

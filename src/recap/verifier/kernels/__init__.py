@@ -28,7 +28,7 @@ from recap.verifier.kernels.args import DecoderArgs, unsupported
 from recap.verifier.kernels.cache import KVCache
 from recap.verifier.kernels.decoder import FastDecoder
 
-KERNELS_REVISION = 15
+KERNELS_REVISION = 16
 """Bumped when the fast kernels' speed or arithmetic changes (2: the 2-row block, `exp32`; 3:
 the 3x4 block on 16-register CPUs; 4: the 16x1 block for 1-row steps on AVX-512; 5: quad
 attention; 6: the 12x1 / 6x2 remainder blocks; 7: 16-bit weights widened in registers; 8: every
@@ -38,7 +38,8 @@ the 4x8 block of paired rows for steps of 8 rows and more, same bits; 12: GGUF b
 weight rows de-quantised side by side for steps of 1-4 rows, same bits; 13: steps of 8 and 16
 computed rows de-quantised in registers per 8 rows instead of into panels, same bits; 14: steps
 of 12 computed rows on the 2x12 block, one pair of weight rows de-quantised once, same bits;
-15: attention's softmax loops vectorised again, same bits), so
+15: attention's softmax loops vectorised again, same bits; 16: steps of 24 and 32 computed rows
+in registers too, same bits), so
 a cost profile measured on older kernels is measured again (`recap.verifier.profile`)."""
 
 KERNELS = ("auto", "fast", "stock")

@@ -17,7 +17,7 @@ float layer's, bit for bit; only the bytes read differ. By the step's rows:
   de-quantises and multiplies 16 weights instead of 8.
 - **3 or 4 rows** (`linear_four`, 512-bit registers only): the 8x4 block the same way (16
   accumulators of two weight rows, the 4 de-quantised pairs; the x groups come from L1).
-- **8 or 16 computed rows** (`linear_eights`, 512-bit registers only; `REGISTER_ROWS`): 4
+- **8, 16, 24 or 32 computed rows** (`linear_eights`, 512-bit registers only; `REGISTER_ROWS`): 4
   weight rows as two pairs against 8 token rows at a time (the 4x8 block), de-quantised
   again for each 8: for so few rows that beats writing and reading a panel.
 - **12 computed rows** (`linear_twelve`, 512-bit registers only): one pair of weight rows
@@ -52,11 +52,11 @@ PAIRED_COL_BLOCK = 2 * COL_BLOCK
 """Weight rows of the 8x1, 8x2 and 8x4 blocks: 4 pairs."""
 PAIRED_CHUNK = CHUNK // 2
 """Paired column blocks per parallel task: a task covers as many weight rows as unpaired."""
-REGISTER_ROWS = 16
-"""Steps of 8 or 16 computed rows (5-8, 13-16 asked) de-quantise in registers
-(`linear_eights`) where registers are 512 bits, and so do steps of `TWELVE_ROWS`
-(`linear_twelve`); others once into panels (`linear_panels`): past 16 rows the panels were
-faster (docs/kernels.md)."""
+REGISTER_ROWS = 32
+"""Steps of a multiple of 8 computed rows up to this (5-8, 13-16, 21-24, 29-32 asked)
+de-quantise in registers (`linear_eights`) where registers are 512 bits, and so do steps of
+`TWELVE_ROWS` (`linear_twelve`); others once into panels (`linear_panels`): past 32 rows the
+panels were faster (docs/kernels.md)."""
 TWELVE_ROWS = 12
 """Computed rows of the 2x12 block (`linear_twelve`; 9-12 asked): 8 + 4 rows on the 4x8 and
 a 4-row block de-quantised each pair twice and ran slower than the panels."""
