@@ -218,7 +218,6 @@ def test_quad_attention_out_of_the_written_order_is_refused(monkeypatch):
         ops.QuadAttention(9, 3, 64)
 
 
-
 @njit(error_model="numpy")
 def _softmax_from(row, low, length, scale):
     ops._softmax(row[low:length], scale)
@@ -255,6 +254,7 @@ def test_attention_softmax_vectorises_from_a_variable_first_key():
     assert sliced.tobytes() == indexed.tobytes()
     assert _vector_float_ops(_softmax_from) > 0
     assert _vector_float_ops(_softmax_indexed_from) == 0
+
 
 # ----------------------------------------------------------------------------- the linear kernel
 @settings(max_examples=15, deadline=None)
