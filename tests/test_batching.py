@@ -157,6 +157,22 @@ def test_a_failing_or_cancelled_request_leaves_the_others_exact(tiny_llama):
     assert_drafted([decodings[0].result, decodings[2].result])
 
 
+def test_a_request_that_ends_in_the_step_it_starts_reports_its_end_once():
+    """Regression: on the stock kernels a prefill runs whole when its request is admitted, so
+    its first token and its first verification come from one `Batch.step`. The first token's
+    event must not say the request finished: `BatchEvent.finished` used to read the decoding
+    when asked, after the whole step, and the server then ended the answer at its first token
+    and dropped the verification's (seen when a stored answer was drafted whole)."""
+    target = load_target("tiny-llama", kernels="stock")
+    batch = Batch(max_batch=1, prefills_per_step=1)
+    decoding = Decoding(target, make_proposer("ar"), target.prepare("Tell me about the sea."), max_new_tokens=2)
+    batch.add(decoding)
+    events = batch.step()
+    assert [event.finished for event in events] == [False, True]
+    assert [token for event in events for token in event.step.tokens] == decoding.result.tokens
+    assert len(decoding.result.tokens) == 2
+
+
 def test_seeded_sampling_in_a_batch_draws_what_it_draws_alone(tiny_llama):
     target = tiny_llama
     cases = _cases(target, 3)

@@ -49,18 +49,18 @@ DEFAULT_MAX_BATCH = 8
 cost little more than one (docs/kernels.md), and each request adds its own attention."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class BatchEvent:
     """What one request got from a batch step: a `DecodeStep`, or the error that ended it."""
 
     decoding: Decoding
     step: DecodeStep | None = None
     error: BaseException | None = None
-
-    @property
-    def finished(self) -> bool:
-        """The request has left the batch (done, failed or cancelled)."""
-        return self.error is not None or self.decoding.done
+    finished: bool = False
+    """The request left the batch with this event (done or failed). Fixed when the event is
+    made, not read from the decoding later: a step can give one request two events (its
+    prefill's first token, then its first verification), and the first must not report the
+    end the second brings, or a reader that stops at it loses the second's tokens."""
 
 
 class Batch:
@@ -156,7 +156,8 @@ class Batch:
         self.peak_running = max(self.peak_running, len(running))
         for decoding, step in zip(list(running), verified):
             try:
-                events.append(BatchEvent(decoding, step=decoding.finish(step, observe_cost=False)))
+                taken = decoding.finish(step, observe_cost=False)
+                events.append(BatchEvent(decoding, step=taken, finished=decoding.done))
             except Exception as error:  # noqa: BLE001 - one request's failure must not end the others
                 events.append(self._fail(decoding, error))
                 continue
@@ -225,7 +226,8 @@ class Batch:
         """The request's first token (its prefill done): it runs from the next step on."""
         self.running.append(decoding)
         try:
-            event = BatchEvent(decoding, step=decoding.start(chunked))
+            first = decoding.start(chunked)
+            event = BatchEvent(decoding, step=first, finished=decoding.done)
         except Exception as error:  # noqa: BLE001
             return self._fail(decoding, error)
         if decoding.done:
@@ -278,7 +280,7 @@ class Batch:
     def _fail(self, decoding: Decoding, error: BaseException) -> BatchEvent:
         """One request's failure: it leaves the batch with its error, the others go on."""
         self._leave(decoding)
-        return BatchEvent(decoding, error=error)
+        return BatchEvent(decoding, error=error, finished=True)
 
 
 def generate_batch(target: TargetModel, prompts: Sequence[str | list[dict]], *,
