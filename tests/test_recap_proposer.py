@@ -153,7 +153,8 @@ def test_rows_from_another_model_do_not_change_outputs(tiny_llama):
         """A stream's second pass over the same prompts, after its U is replaced by the
         donor's rows (or emptied): the outputs must be greedy; returns the trees drafted."""
         receiver = RecapProposer()
-        _assert_all_passed(run_check(tiny_llama, receiver, prompts=4, max_new_tokens=16))
+        # answers half as long as the second pass's: past them its trees come from U
+        _assert_all_passed(run_check(tiny_llama, receiver, prompts=4, max_new_tokens=8))
         receiver.memory.reset_stream()
         if foreign:
             receiver.memory.load_unigram(keys, ids, probs)

@@ -30,7 +30,7 @@ def _longest_suffix_in(text: list[int], haystack: list[int]) -> int:
 
 
 def _store_text(outputs: list[list[int]]) -> list[int]:
-    text = []
+    text = [SEPARATOR]  # every output is preceded by one
     for output in outputs:
         text += [*output, SEPARATOR]
     return text
@@ -94,6 +94,31 @@ def test_matches_never_run_across_two_outputs():
     match = store.matcher()
     match.sync([2, 3])
     assert match.continuation(10) == (2, [])  # not [4, 5, 6] from the next output
+
+
+def test_an_answer_start_matches_the_start_of_an_earlier_answer():
+    """`begin_answer`: after the separator the answer's first token continues where an earlier
+    answer began with it, not where it occurred later inside one (the first output included:
+    the store's text begins with a separator too). Its negative control, the same history
+    without `begin_answer`, matches the later occurrence."""
+    store = OutputStore()
+    store.add([3, 7, 4])
+    store.add([7, 1, 2])
+    started = store.matcher()
+    started.sync([9, 9])  # the prompt
+    started.begin_answer()
+    started.sync([9, 9, 7])
+    assert started.continuation(3) == (2, [1, 2]) and started.fed == 3
+    plain = store.matcher()
+    plain.sync([9, 9, 7])
+    assert plain.continuation(3) == (1, [4])  # the first 7, inside the first output
+    first = OutputStore()
+    first.add([7, 5])
+    match = first.matcher()
+    match.begin_answer()
+    match.sync([7])
+    assert match.continuation(3) == (2, [5])
+    assert len(store) == 3 + 3 + 2 and store.flat() == [3, 7, 4, SEPARATOR, 7, 1, 2, SEPARATOR]
 
 
 def test_empty_outputs_are_ignored_and_clear_forgets():

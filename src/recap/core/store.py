@@ -6,6 +6,12 @@ a fixed answer format). `OutputStore` keeps the stream's last outputs in a suffi
 separated so no match spans two outputs, bounded like U: past ``max_tokens`` it keeps only
 the most recent outputs that fill half of it. A `StoreMatch` follows the current request's
 history through the store and offers what followed the longest match.
+
+Every output is preceded by a separator too (the store's text begins with one), and a request's
+match reads one where its answer begins (`StoreMatch.begin_answer`): so the first tokens of an
+answer match the first tokens of earlier answers, not the same words wherever they occurred
+(measured: an answer that repeated the previous one word for word was drafted from the middle
+of it, " Luminaria" after "The", instead of from its start).
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from collections.abc import Sequence
 from recap.core.suffix import SuffixAutomaton
 
 SEPARATOR = -1
-"""Written after every output: never a token, so no match runs across two outputs."""
+"""Written before the first output and after every output: never a token, so no match runs
+across two outputs, and an answer's start is a context of its own."""
 
 
 class OutputStore:
@@ -25,10 +32,11 @@ class OutputStore:
             raise ValueError(f"max_tokens must be at least 2, got {max_tokens}")
         self.max_tokens = max_tokens
         self.outputs: deque[list[int]] = deque()
-        self.automaton = SuffixAutomaton()
+        self.automaton = SuffixAutomaton([SEPARATOR])
 
     def __len__(self) -> int:
-        return len(self.automaton)
+        """Tokens remembered, separators included (the leading one not counted)."""
+        return len(self.automaton) - 1
 
     def add(self, output: Sequence[int]) -> None:
         """Remember one finished output (only the tokens the user got)."""
@@ -37,7 +45,7 @@ class OutputStore:
             return
         output = output[-max(1, self.max_tokens // 2 - 1):]  # (a bound of 2 or 3 still keeps one token)
         self.outputs.append(output)
-        if len(self.automaton) + len(output) + 1 > self.max_tokens:
+        if len(self) + len(output) + 1 > self.max_tokens:
             kept, size = [], 0
             for earlier in reversed(self.outputs):
                 if kept and size + len(earlier) + 1 > self.max_tokens // 2:  # the newest always stays
@@ -45,7 +53,7 @@ class OutputStore:
                 kept.append(earlier)
                 size += len(earlier) + 1
             self.outputs = deque(reversed(kept))
-            self.automaton = SuffixAutomaton()
+            self.automaton = SuffixAutomaton([SEPARATOR])
             for earlier in self.outputs:
                 self._append(earlier)
         else:
@@ -58,7 +66,7 @@ class OutputStore:
 
     def clear(self) -> None:
         self.outputs.clear()
-        self.automaton = SuffixAutomaton()
+        self.automaton = SuffixAutomaton([SEPARATOR])
 
     def flat(self) -> list[int]:
         """The remembered outputs, each followed by `SEPARATOR` (what a memory file stores)."""
@@ -98,6 +106,12 @@ class StoreMatch:
         for token in history[self.fed :]:
             state, length = follow(state, length, int(token))
         self.state, self.length, self.fed = state, length, len(history)
+
+    def begin_answer(self) -> None:
+        """The answer starts here: the match becomes the separator that precedes every stored
+        output (the prompt before it is not in the store). Not a token of the history: ``fed``
+        stays."""
+        self.state, self.length = self.automaton.follow(0, 0, SEPARATOR)
 
     def continuation(self, max_tokens: int) -> tuple[int, list[int]]:
         """(match length, what followed the match in the store, up to ``max_tokens``, cut

@@ -298,6 +298,7 @@ class RecapProposer(BaseProposer):
             store_match=self.store.matcher() if self.config.stream_store else self.request.store_match)
         if self.config.stream_store:
             self.request.store_match.sync(prompt.ids.tolist())
+            self.request.store_match.begin_answer()
 
     def _seeding(self, prompt: PromptRows) -> np.ndarray | None:
         """The eligible mask U seeds from (None: no seeding). ``answers``: the first rows the
