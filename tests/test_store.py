@@ -105,8 +105,7 @@ def test_an_answer_start_matches_the_start_of_an_earlier_answer():
     store.add([3, 7, 4])
     store.add([7, 1, 2])
     started = store.matcher()
-    started.sync([9, 9])  # the prompt
-    started.begin_answer()
+    started.begin_answer(2)  # after a 2-token prompt
     started.sync([9, 9, 7])
     assert started.continuation(3) == (2, [1, 2]) and started.fed == 3
     plain = store.matcher()
@@ -115,7 +114,7 @@ def test_an_answer_start_matches_the_start_of_an_earlier_answer():
     first = OutputStore()
     first.add([7, 5])
     match = first.matcher()
-    match.begin_answer()
+    match.begin_answer(0)
     match.sync([7])
     assert match.continuation(3) == (2, [5])
     assert len(store) == 3 + 3 + 2 and store.flat() == [3, 7, 4, SEPARATOR, 7, 1, 2, SEPARATOR]

@@ -107,11 +107,12 @@ class StoreMatch:
             state, length = follow(state, length, int(token))
         self.state, self.length, self.fed = state, length, len(history)
 
-    def begin_answer(self) -> None:
-        """The answer starts here: the match becomes the separator that precedes every stored
-        output (the prompt before it is not in the store). Not a token of the history: ``fed``
-        stays."""
+    def begin_answer(self, fed: int) -> None:
+        """The answer starts after the history's first ``fed`` tokens (the prompt, which the
+        store does not hold, so it is not read): the match becomes the separator that precedes
+        every stored output."""
         self.state, self.length = self.automaton.follow(0, 0, SEPARATOR)
+        self.fed = fed
 
     def continuation(self, max_tokens: int) -> tuple[int, list[int]]:
         """(match length, what followed the match in the store, up to ``max_tokens``, cut

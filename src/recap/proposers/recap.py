@@ -297,8 +297,7 @@ class RecapProposer(BaseProposer):
             automaton=SuffixAutomaton(prompt.ids.tolist()) if self._continues else SuffixAutomaton(),
             store_match=self.store.matcher() if self.config.stream_store else self.request.store_match)
         if self.config.stream_store:
-            self.request.store_match.sync(prompt.ids.tolist())
-            self.request.store_match.begin_answer()
+            self.request.store_match.begin_answer(len(prompt.ids))
 
     def _seeding(self, prompt: PromptRows) -> np.ndarray | None:
         """The eligible mask U seeds from (None: no seeding). ``answers``: the first rows the
