@@ -591,3 +591,78 @@ def test_reference_float_pairs_ar_on_the_float_weights_and_counts_a_difference(t
     assert summary["mismatches"] == 0 and summary["methods"]["ar-float"]["units"] >= 1
     assert "`ar-float` is plain AR on the model's float weights" in (out / "report.md").read_text()
     assert _as_if_different(out, "ar-float", first_difference=2)["mismatches"] >= 1
+
+
+def test_repeats_time_every_unit_in_rounds_from_the_same_state(tmp_path, monkeypatch):
+    """``--repeats 3``: every (unit, method) decodes three times; each later round starts from
+    the stream and the prefix cache as they stood before the unit (the same output-store
+    length, the same prompt rows reused), the stream carried on is the first round's, and a
+    row is the round of median time, its times all recorded."""
+    target = load_target("tiny-llama")
+    seen: list[dict] = []
+    real = bench_runner.decode
+    rounds_seen: dict[str, int] = {}
+    fake_times = (0.3, 0.1, 0.2)  # a (unit, method)'s rounds: the third is the median
+
+    def recorded(target_, proposer, inputs, **kwargs):
+        cache = target_.prefix_cache
+        reused = cache.reused_tokens
+        store = getattr(proposer, "store", None)
+        entry = {"scope": target_.prefix_scope, "proposer": id(proposer),
+                 "stored": None if store is None else len(store)}
+        result = real(target_, proposer, inputs, **kwargs)
+        entry["reused"] = cache.reused_tokens - reused
+        count = rounds_seen[entry["scope"]] = rounds_seen.get(entry["scope"], -1) + 1
+        result.total_s = fake_times[count % 3]
+        seen.append(entry)
+        return result
+
+    monkeypatch.setattr(bench_runner, "decode", recorded)
+    run = run_bench(_config(tmp_path, methods="recap,pld", repeats=3), target=target, progress=False)
+    rows = ResultsFile(tmp_path / "out").load()
+    assert len(seen) == 4 * 3 * 3 and len(rows) == 4 * 3
+    by_unit = [seen[i:i + 9] for i in range(0, len(seen), 9)]
+    for calls in by_unit:
+        for label in ("ar", "recap", "pld"):
+            mine = [c for c in calls if c["scope"] == label]
+            assert len(mine) == 3
+            assert len({c["reused"] for c in mine}) == 1      # every round met the same prefix cache
+            assert len({c["stored"] for c in mine}) == 1      # ... and the same stream state
+            assert len({c["proposer"] for c in mine}) == 3    # later rounds decode copies
+    recap_first = [next(c for c in calls if c["scope"] == "recap") for calls in by_unit]
+    assert recap_first[1]["stored"] > recap_first[0]["stored"]  # the carried stream grew once a unit
+    assert sum(c["reused"] for c in seen) > 0                    # the multi-turn unit reused its prompt
+    for row in rows:
+        assert row["round_times_s"] == [0.3, 0.1, 0.2] and row["round_kept"] == 2 and row["time_s"] == 0.2
+        assert row["identical"]
+    summary = run.summary
+    assert summary["methods"]["recap"]["round_spread"] == pytest.approx(1.0)
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "decoded in 3 rounds" in report and "recap 100%" in report
+    with pytest.raises(InputError, match="repeats 3 -> None"):
+        _bench(_config(tmp_path, methods="recap,pld"))
+
+
+def test_a_difference_in_any_round_is_a_mismatch(tmp_path, monkeypatch):
+    """A row keeps one round's times, but every round's output is compared with AR's."""
+    real = bench_runner.decode
+    calls = {"pld": 0}
+
+    def second_round_wrong(target_, proposer, inputs, **kwargs):
+        result = real(target_, proposer, inputs, **kwargs)
+        if target_.prefix_scope == "pld":
+            calls["pld"] += 1
+            if calls["pld"] == 2:
+                result.tokens = [result.tokens[0], result.tokens[1] + 1, *result.tokens[2:]]
+                result.total_s = 1e9  # the slowest round: never the one kept
+        return result
+
+    monkeypatch.setattr(bench_runner, "decode", second_round_wrong)
+    run = _bench(_config(tmp_path, methods="pld", topics=["alpha"], limit=1, repeats=3))
+    pld = run.summary["methods"]["pld"]
+    assert pld["mismatches"] == 1 and pld["mismatched_units"] == [{"unit": "a1#0", "first_difference": 1}]
+
+
+def test_repeats_must_be_positive(tmp_path):
+    with pytest.raises(InputError, match="--repeats must be at least 1"):
+        _bench(_config(tmp_path, repeats=0))

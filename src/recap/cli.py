@@ -380,6 +380,9 @@ def _add_bench(commands) -> None:
     bench.add_argument("--threads", type=_positive, default=1, help="torch CPU threads, pinned and recorded")
     bench.add_argument("--max-new-tokens", type=int, default=24)
     bench.add_argument("--seed", type=int, default=0, help="seeds the per-unit method order (and sampling seeds)")
+    bench.add_argument("--repeats", type=_positive, default=1,
+                       help="timed decodes of every (unit, method), in rounds from the same state; a row keeps its "
+                            "median-time round (default 1)")
     _sampling_options(bench)
     bench.add_argument("--out", default="bench-out", help="output folder; a rerun resumes the run found there")
     bench.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up decode of each method")
@@ -419,7 +422,7 @@ def _bench(args: argparse.Namespace) -> int:
     topics = [t for t in args.topics.split(",") if t.strip()] if args.topics else None
     config = BenchConfig(model=args.model, methods=args.methods, data=args.data, topics=topics, limit=limit,
                          dtype=args.dtype, threads=args.threads, max_new_tokens=args.max_new_tokens,
-                         seed=args.seed, out=Path(args.out), warmup=not args.no_warmup,
+                         seed=args.seed, repeats=args.repeats, out=Path(args.out), warmup=not args.no_warmup,
                          cost_profile=args.cost_profile, temperature=args.temperature or None, top_k=args.top_k,
                          top_p=args.top_p, kernels=args.kernels, weights=args.weights, reference=args.reference)
     if args.temperature:

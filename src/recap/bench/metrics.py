@@ -91,6 +91,17 @@ def latency(rows: Sequence[dict]) -> dict[str, float]:
     return {f"p{q}": percentile(times, q) for q in (50, 90, 95, 99)}
 
 
+def round_spread(rows: Sequence[dict]) -> float | None:
+    """How far a unit's timed rounds lay apart (``--repeats``): the median over units of
+    (slowest - fastest) / median round time; None for rows timed once."""
+    spreads = []
+    for row in rows:
+        times = row.get("round_times_s")
+        if times and len(times) > 1 and percentile(times, 50) > 0:
+            spreads.append((max(times) - min(times)) / percentile(times, 50))
+    return percentile(spreads, 50) if spreads else None
+
+
 def stage_costs(rows: Sequence[dict]) -> dict[str, float]:
     """Where the time went: prefill per unit, and propose / verify / observe per iteration
     (ms). Propose and observe are the drafter's host work; verify is the model's forward
@@ -132,6 +143,7 @@ def summarise_method(rows: Sequence[dict], method: str, topics: Sequence[str]) -
         "ratio": ratio_distribution(ratios),
         "latency_s": latency(mine),
         "stages": stage_costs(mine),
+        **({"round_spread": spread} if (spread := round_spread(mine)) is not None else {}),
         "topics": per_topic,
         **method_calibration(mine),
     }

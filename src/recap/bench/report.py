@@ -21,7 +21,7 @@ from recap.bench.dominance import dominance
 from recap.bench.dominance import markdown_section as dominance_section
 from recap.bench.metrics import FLOAT_REFERENCE, REFERENCE, STOCK_REFERENCE, summarise_method
 from recap.bench.results import RESULTS, write_json_atomic
-from recap.bench.runner import ROTATION, WARMUP, latest_rows
+from recap.bench.runner import REPEATS, ROTATION, WARMUP, latest_rows
 from recap.check import claims_exact
 
 SCHEMA = "recap-bench/1"
@@ -55,6 +55,8 @@ def build_summary(rows: Sequence[dict], record: dict) -> dict:
                   "and tokenisation are not timed; gc.collect() runs untimed before each decode",
         "rotation": ROTATION,
         "warmup": WARMUP if settings.get("warmup", True) else "none",
+        "repeats": REPEATS.format(n=settings["repeats"]) if settings.get("repeats", 1) > 1
+        else "one timed decode per (unit, method)",
         "streams": STREAM_POLICY,
         "stream_events": [event for session in sessions for event in session.get("stream_events", [])],
         "machine": last.get("machine"),
@@ -212,6 +214,11 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
                       [[label, *(_f(methods[label]["latency_s"][p], "{:.2f}") for p in ("p50", "p90", "p95", "p99")),
                         _f(methods[label]["tokens_per_s"], "{:.1f}"), str(methods[label]["tokens"])]
                        for label in methods]), ""]
+    spreads = {label: methods[label]["round_spread"] for label in methods if "round_spread" in methods[label]}
+    if spreads:
+        lines += ["Each row is its method's median-time round; how far a unit's rounds lay apart (median over units "
+                  "of (slowest - fastest) / median): " + ", ".join(f"{label} {value:.0%}"
+                                                                 for label, value in spreads.items()) + ".", ""]
     lines += ["## Where the time goes", "",
               "propose and observe are the drafter's host work; verify is the model forward plus tree packing and KV "
               "compaction.", "",
@@ -246,6 +253,7 @@ def markdown(summary: dict, plots: Sequence[str] = ()) -> str:
               f"- multi-turn: {run['multi_turn']}",
               f"- pairing: AR and every method decode each unit in the same process; order {run['rotation']}",
               f"- warm-up: {run['warmup']}",
+              f"- repeats: {run.get('repeats', 'one timed decode per (unit, method)')}",
               f"- timing: {run['timing']}",
               f"- streams: {run['streams']}",
               f"- sessions: {len(sessions)}" + (f" (resumed {len(sessions) - 1} time(s))" if len(sessions) > 1 else ""),

@@ -5,12 +5,15 @@ then AR and every method decode them in an order rotated per unit (seeded), each
 its own stream; every output is compared with AR's token for token. The rows of the unit
 go to results.jsonl in one write, then the streams are checkpointed (`recap.bench.streams`).
 Before the first unit every method decodes the first unit once (warm-up: kernels, numba,
-caches; not recorded), and streams start fresh at every topic.
+caches; not recorded), and streams start fresh at every topic. With ``repeats`` > 1 every
+method decodes the unit that many times, in rounds (`REPEATS`), and its row is the round of
+median time: one slow moment of a noisy host then decides no unit's ratio.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import hashlib
 import shutil
@@ -44,6 +47,10 @@ ROTATION = ("cyclic: the method list [ar, methods...] starts at offset sha256(f'
 WARMUP_TOKENS = 16
 WARMUP = (f"every method (AR included) decodes the first unit once (at most {WARMUP_TOKENS} new tokens) before "
           "timing; not recorded; streams then start fresh")
+REPEATS = ("each unit is decoded in {n} rounds, every round through AR and every method in its own rotated order; "
+           "rounds after the first decode a copy of each method's stream and prefix cache as they stood before "
+           "the unit (the first round's stream is the one carried on); a row is its method's round of median "
+           "time (the lower middle of an even count), every round's output compared with AR's")
 
 
 @dataclass
@@ -60,6 +67,8 @@ class BenchConfig:
     """Torch device of the target (``cuda``...); recorded in the settings when not the CPU."""
     threads: int = 1
     max_new_tokens: int = 200
+    repeats: int = 1
+    """Timed decodes of every (unit, method), in rounds; a row keeps its median-time round (`REPEATS`)."""
     seed: int = 0
     out: Path = Path("bench-out")
     warmup: bool = True
@@ -156,6 +165,8 @@ class Bench:
             raise InputError(f"--max-new-tokens must be at least 1, got {config.max_new_tokens}")
         if config.limit is not None and config.limit < 1:
             raise InputError(f"--limit must be at least 1, got {config.limit}")
+        if config.repeats < 1:
+            raise InputError(f"--repeats must be at least 1, got {config.repeats}")
         self.data_path = resolve_data(config.data)
         self.items = bench_data.select(bench_data.load_items(self.data_path), config.topics, config.limit)
         self.units = bench_data.units_of(self.items)
@@ -172,6 +183,7 @@ class Bench:
                 "data": str(self.data_path), "system_prompt": self.config.system_prompt,
                 "cpu": machine()["cpu"], "warmup": self.config.warmup, "cost_profile": self._cost_spec(),
                 **({"device": self.config.device} if self.config.device != "cpu" else {}),
+                **({"repeats": self.config.repeats} if self.config.repeats != 1 else {}),
                 **({"kernels": self.config.kernels} if self.config.kernels != "auto" else {}),
                 **({"weights": self.config.weights} if self.config.weights != "auto" else {}),
                 **({"sampling": {"temperature": self.config.temperature, "top_k": self.config.top_k,
@@ -284,7 +296,7 @@ class Bench:
                    TextColumn("eta"), TimeRemainingColumn())
         # Two refreshes a second: the bar's thread should not compete with the timed decodes.
         with Progress(*columns, console=self.console, transient=False, refresh_per_second=2) as progress:
-            total = units * len(self.labels) + (len(self.labels) if self.config.warmup else 0)
+            total = units * len(self.labels) * self.config.repeats + (len(self.labels) if self.config.warmup else 0)
             task = progress.add_task("bench", total=total)
 
             def advance(text: str, step: int = 1) -> None:
@@ -342,31 +354,63 @@ class Bench:
 
     def _run_unit(self, unit, answers, streams, status, advance) -> list[dict]:
         inputs, has_image = self._prepare(unit, answers)
-        order = rotation(self.labels, self.config.seed, unit.key)
-        results: dict[str, GenerationResult] = {}
+        repeats = self.config.repeats
+        # later rounds start where the first did: copies of the streams and of the prefix cache (untimed)
+        starts = {label: copy.deepcopy(streams[label]) for label in self.labels} if repeats > 1 else {}
+        cache = self.target.prefix_cache
+        cache_before = cache.copy() if repeats > 1 and cache is not None else None
+        rounds: list[dict[str, GenerationResult]] = []
         extra: dict[str, dict] = {}
-        specs = {spec.label: spec for spec in self.specs}
-        for label in order:
-            advance(f"{unit.topic} {unit.key} [bold]{label}[/]", 0)
-            gc.collect()  # untimed: keep collector pauses out of the timed decode
-            before = calibration.snapshot(streams[label])
-            # each method reuses only its own earlier prompts' prefixes (as its own server would):
-            # a later method must not get the unit's prefill for free from an earlier one
-            self.target.prefix_scope = label
-            with self._kernels_for(specs[label]), CompileWatch() as compiles:
-                results[label] = decode(self.target, streams[label], inputs,
-                                        max_new_tokens=self.config.max_new_tokens,
-                                        sampling=self.config.sampling(unit.key))
-            extra[label] = {**calibration.unit_fields(streams[label], before), **compiles.fields()}  # untimed
-            advance(f"{unit.topic} {unit.key} [bold]{label}[/]")
-        reference = results[REFERENCE].tokens
+        order = rotation(self.labels, self.config.seed, unit.key)
+        for round_index in range(repeats):
+            stamp = "" if repeats == 1 else f" ({round_index + 1}/{repeats})"
+            round_order = order if round_index == 0 else \
+                rotation(self.labels, self.config.seed, f"{unit.key}#round{round_index}")
+            results = {}
+            for label in round_order:
+                advance(f"{unit.topic} {unit.key} [bold]{label}[/]{stamp}", 0)
+                stream = streams[label] if round_index == 0 else copy.deepcopy(starts[label])
+                if round_index and cache_before is not None:
+                    self.target.prefix_cache = cache_before.copy()
+                results[label], extra_fields = self._decode(label, stream, inputs, unit.key)
+                if round_index == 0:
+                    extra[label] = extra_fields
+                advance(f"{unit.topic} {unit.key} [bold]{label}[/]{stamp}")
+            if round_index == 0:
+                cache_after = self.target.prefix_cache
+            rounds.append(results)
+        if repeats > 1 and cache_before is not None:
+            self.target.prefix_cache = cache_after  # as a single round would have left it
+        reference = rounds[0][REFERENCE].tokens
         new_rows = []
         for label in self.labels:
             stream = status[label] if is_stateful(streams[label]) else "none"
-            new_rows.append({**_row(unit, label, order.index(label), results[label], reference, has_image, stream),
-                             **extra[label]})
+            times = [results[label].total_s for results in rounds]
+            chosen = sorted(range(repeats), key=times.__getitem__)[(repeats - 1) // 2]
+            row = _row(unit, label, order.index(label), rounds[chosen][label], reference, has_image, stream)
+            for results in rounds:  # every round's output, not only the one kept
+                difference = first_difference(results[label].tokens, reference)
+                if difference is not None and row["identical"]:
+                    row["identical"], row["first_difference"] = False, difference
+            if repeats > 1:
+                row["round_times_s"], row["round_kept"] = times, chosen
+            new_rows.append({**row, **extra[label]})
         new_rows[0]["text"] = self.target.tokenizer.decode(reference, skip_special_tokens=True).strip()
         return new_rows
+
+    def _decode(self, label: str, stream, inputs, unit_key: str) -> tuple[GenerationResult, dict]:
+        """One timed decode of a unit by ``label``'s ``stream``, and the untimed row fields it adds
+        (calibration, compiles)."""
+        gc.collect()  # untimed: keep collector pauses out of the timed decode
+        before = calibration.snapshot(stream)
+        # each method reuses only its own earlier prompts' prefixes (as its own server would):
+        # a later method must not get the unit's prefill for free from an earlier one
+        self.target.prefix_scope = label
+        spec = next(spec for spec in self.specs if spec.label == label)
+        with self._kernels_for(spec), CompileWatch() as compiles:
+            result = decode(self.target, stream, inputs, max_new_tokens=self.config.max_new_tokens,
+                            sampling=self.config.sampling(unit_key))
+        return result, {**calibration.unit_fields(stream, before), **compiles.fields()}
 
 
 def run_record(out: Path) -> dict:

@@ -87,6 +87,14 @@ class PrefixCache:
     def clear(self) -> None:
         self._entries.clear()
 
+    def copy(self) -> PrefixCache:
+        """A cache holding the same entries (shared: an entry is never changed once stored), so
+        that a benchmark can time a prompt again from the cache it met the first time."""
+        twin = PrefixCache(self.max_tokens)
+        twin._entries = OrderedDict(self._entries)
+        twin._next, twin.hits, twin.reused_tokens = self._next, self.hits, self.reused_tokens
+        return twin
+
     def lookup(self, tokens: np.ndarray, limit: int, scope: str = "",
                wanted: np.ndarray | None = None) -> tuple[int, _Entry | None]:
         """(usable length, entry): the longest prefix of ``tokens`` held in ``scope``, at most
