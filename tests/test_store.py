@@ -1,5 +1,5 @@
 """The stream's output store (`recap.core.store`) and the suffix automaton's matching of
-another text (`SuffixAutomaton.follow` / `after`), against brute force."""
+another text (`SuffixAutomaton.follow` / `after` / `frequent_path`), against brute force."""
 
 from __future__ import annotations
 
@@ -27,6 +27,23 @@ def _longest_suffix_in(text: list[int], haystack: list[int]) -> int:
         if _occurs(text[len(text) - length :], haystack) is not None:
             return length
     return 0
+
+
+def _frequent_path(text: list[int], matched: list[int], k: int) -> list[int]:
+    """Brute force of `SuffixAutomaton.frequent_path`: k times, the token t for which matched + t
+    occurs most often in ``text`` (ties: the one that occurred first), up to a separator."""
+    out, w = [], list(matched)
+    while len(out) < k:
+        best, best_key = None, (-1, 0)
+        for t in set(text):
+            ends = [e for e in range(len(w), len(text)) if text[e - len(w) : e + 1] == [*w, t]]
+            if ends and (len(ends), -min(ends)) > best_key:
+                best, best_key = t, (len(ends), -min(ends))
+        if best is None or best == SEPARATOR:
+            break
+        out.append(best)
+        w.append(best)
+    return out
 
 
 def _store_text(outputs: list[list[int]]) -> list[int]:
@@ -103,6 +120,7 @@ def test_an_answer_start_matches_the_start_of_an_earlier_answer():
     without `begin_answer`, matches the later occurrence."""
     store = OutputStore()
     store.add([3, 7, 4])
+    store.add([6, 7, 4])
     store.add([7, 1, 2])
     started = store.matcher()
     started.begin_answer(2)  # after a 2-token prompt
@@ -110,14 +128,55 @@ def test_an_answer_start_matches_the_start_of_an_earlier_answer():
     assert started.continuation(3) == (2, [1, 2]) and started.fed == 3
     plain = store.matcher()
     plain.sync([9, 9, 7])
-    assert plain.continuation(3) == (1, [4])  # the first 7, inside the first output
+    assert plain.continuation(3) == (1, [4])  # the 7s inside the first two outputs
     first = OutputStore()
     first.add([7, 5])
     match = first.matcher()
     match.begin_answer(0)
     match.sync([7])
     assert match.continuation(3) == (2, [5])
-    assert len(store) == 3 + 3 + 2 and store.flat() == [3, 7, 4, SEPARATOR, 7, 1, 2, SEPARATOR]
+    assert len(store) == 3 * 4 and store.flat() == [3, 7, 4, SEPARATOR, 6, 7, 4, SEPARATOR, 7, 1, 2, SEPARATOR]
+
+
+def test_a_match_continues_with_what_most_often_followed_it():
+    """Three answers start with 5: twice 5 6, once 5 8 (the oldest). The store offers 6 (the
+    first occurrence, `after`, the negative control, says 8); after 5 6 the two continuations
+    occur once each and the first wins, as with `after`; a longer match narrows to its one
+    occurrence."""
+    store = OutputStore()
+    for output in ([5, 8, 1], [5, 6, 2, 3], [5, 6, 4, 3]):
+        store.add(output)
+    match = store.matcher()
+    match.begin_answer(0)
+    match.sync([5])
+    assert match.continuation(4) == (2, [6, 2, 3])
+    assert store.automaton.after(match.state, 1) == [8]
+    match.sync([5, 6, 2])
+    assert match.continuation(4) == (4, [3])
+    assert store.automaton.occurrences()[match.state] == 1
+    store.add([5, 8, 9])
+    store.add([5, 8, 9])  # the automaton grew: the counts are recomputed
+    again = store.matcher()
+    again.begin_answer(0)
+    again.sync([5])
+    assert again.continuation(3) == (2, [8, 9])
+
+
+@settings(max_examples=150, deadline=None)
+@given(text=TEXT, other=TEXT, k=st.integers(1, 6))
+def test_frequent_path_agrees_with_brute_force(text, other, k):
+    automaton = SuffixAutomaton(text)
+    state, length = 0, 0
+    for token in other:
+        state, length = automaton.follow(state, length, token)
+    path = automaton.frequent_path(state, k, stop=None)
+    matched = other[len(other) - length :] if length else []
+    if length:
+        assert path == _frequent_path(text, matched, k)
+        assert automaton.occurrences()[state] == len(
+            [e for e in range(length - 1, len(text)) if text[e - length + 1 : e + 1] == matched])
+    else:
+        assert path == []
 
 
 def test_empty_outputs_are_ignored_and_clear_forgets():
@@ -160,9 +219,7 @@ def test_bound_keeps_the_most_recent_outputs_and_matches_agree_with_brute_force(
     length, continuation = match.continuation(k)
     assert length == _longest_suffix_in(history, text)
     if length:
-        end = _occurs(history[len(history) - length :], text)
-        expected = text[end + 1 : end + 1 + k]
-        assert continuation == expected[: expected.index(SEPARATOR)] if SEPARATOR in expected else expected
+        assert continuation == _frequent_path(text, history[len(history) - length :], k)
         assert SEPARATOR not in continuation
     else:
         assert continuation == []

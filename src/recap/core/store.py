@@ -5,7 +5,9 @@ Requests of one stream often replay what an earlier answer said (captions of sim
 a fixed answer format). `OutputStore` keeps the stream's last outputs in a suffix automaton,
 separated so no match spans two outputs, bounded like U: past ``max_tokens`` it keeps only
 the most recent outputs that fill half of it. A `StoreMatch` follows the current request's
-history through the store and offers what followed the longest match.
+history through the store and offers what most often followed the longest match, token by
+token (`SuffixAutomaton.frequent_path`): in a stream of hundreds of answers that open with a
+few templates, the commonest one, not the oldest answer's (ties go to the oldest, as before).
 
 Every output is preceded by a separator too (the store's text begins with one), and a request's
 match reads one where its answer begins (`StoreMatch.begin_answer`): so the first tokens of an
@@ -115,11 +117,9 @@ class StoreMatch:
         self.fed = fed
 
     def continuation(self, max_tokens: int) -> tuple[int, list[int]]:
-        """(match length, what followed the match in the store, up to ``max_tokens``, cut
-        at the end of that output)."""
+        """(match length, up to ``max_tokens`` tokens that followed the match in the store,
+        each the most frequent next token (`SuffixAutomaton.frequent_path`), cut at an
+        output's end)."""
         if self.length == 0:
             return 0, []
-        tokens = self.automaton.after(self.state, max_tokens)
-        if SEPARATOR in tokens:
-            tokens = tokens[: tokens.index(SEPARATOR)]
-        return self.length, tokens
+        return self.length, self.automaton.frequent_path(self.state, max_tokens, stop=SEPARATOR)

@@ -3,15 +3,32 @@
 After each `extend`, the state linked from the last one is the longest suffix of the text that
 also ends somewhere earlier; its first end position tells where that earlier occurrence is,
 and the tokens after it are the continuation to draft. Amortised O(1) per token.
+
+`occurrences` counts how often each state's strings occur, recomputed in one pass over the
+states when the text has grown, so that `frequent_path` can follow, from a match, what most
+often came next rather than what came next the first time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def _sum_up_links(order: np.ndarray, link: np.ndarray, counts: np.ndarray) -> None:
+    """Add every state's count to its suffix link's, longest states first: a state's strings
+    occur wherever a longer string linked to it ends."""
+    for state in order:
+        parent = link[state]
+        if parent >= 0:
+            counts[parent] += counts[state]
+
 
 class SuffixAutomaton:
-    __slots__ = ("tokens", "_next", "_link", "_length", "_first_end", "_last")
+    __slots__ = ("tokens", "_next", "_link", "_length", "_first_end", "_last", "_occurrences")
 
     def __init__(self, tokens: Iterable[int] = ()) -> None:
         self.tokens: list[int] = []
@@ -20,6 +37,8 @@ class SuffixAutomaton:
         self._length: list[int] = [0]
         self._first_end: list[int] = [-1]
         self._last = 0
+        self._occurrences: tuple[int, np.ndarray] | None = None
+        """(text length when computed, counts): `occurrences`' cache."""
         for token in tokens:
             self.extend(token)
 
@@ -87,6 +106,40 @@ class SuffixAutomaton:
         """Up to ``max_tokens`` tokens that follow the first occurrence of ``state``'s strings."""
         end = self._first_end[state]
         return self.tokens[end + 1 : end + 1 + max_tokens] if state > 0 else []
+
+    def occurrences(self) -> np.ndarray:
+        """Per state: how many times its strings occur in the text (0 for the root). O(states)
+        when the text grew since the last call, else cached."""
+        cached = self._occurrences
+        if cached is not None and cached[0] == len(self.tokens):
+            return cached[1]
+        length = np.asarray(self._length, dtype=np.int64)
+        own = np.asarray(self._first_end, dtype=np.int64) == length - 1  # a prefix's state (never a clone)
+        own[0] = False
+        counts = own.astype(np.int64)
+        _sum_up_links(np.argsort(-length, kind="stable"), np.asarray(self._link, dtype=np.int64), counts)
+        self._occurrences = (len(self.tokens), counts)
+        return counts
+
+    def frequent_path(self, state: int, max_tokens: int, stop: int | None = None) -> list[int]:
+        """Up to ``max_tokens`` tokens after ``state``'s strings, each the one that most often
+        followed what is matched so far (ties: the one that occurred first, as `after`); ends
+        before ``stop``. Where every continuation occurred once this is `after`'s."""
+        if state <= 0 or max_tokens <= 0:
+            return []
+        counts = self.occurrences()
+        nxt, first_end, out = self._next, self._first_end, []
+        while len(out) < max_tokens:
+            best, best_key = None, (-1, 0)
+            for token, target in nxt[state].items():
+                key = (int(counts[target]), -first_end[target])
+                if key > best_key:
+                    best, best_key = token, key
+            if best is None or best == stop:
+                break
+            out.append(best)
+            state = nxt[state][best]
+        return out
 
     def continuation(self, max_tokens: int, min_match: int = 1) -> list[int]:
         """Up to ``max_tokens`` tokens that followed the earlier occurrence of the longest
