@@ -666,3 +666,36 @@ def test_a_difference_in_any_round_is_a_mismatch(tmp_path, monkeypatch):
 def test_repeats_must_be_positive(tmp_path):
     with pytest.raises(InputError, match="--repeats must be at least 1"):
         _bench(_config(tmp_path, repeats=0))
+
+
+def test_a_compile_is_recorded_in_the_row_whose_round_is_kept(tmp_path, monkeypatch):
+    """With rounds, a row's compile fields are those of the round whose time it reports: a
+    compile in a slower round left out is not counted; one in the kept round is."""
+    import numba
+
+    real = bench_runner.decode
+    calls = {"pld": 0}
+
+    def slowest_round(x):
+        return x + 1
+
+    def kept_round(x):
+        return x + 2
+
+    def compiling(target_, proposer, inputs, **kwargs):
+        result = real(target_, proposer, inputs, **kwargs)
+        if target_.prefix_scope == "pld":
+            calls["pld"] += 1
+            if calls["pld"] in (1, 3):  # fresh functions: in no cache
+                numba.njit(slowest_round if calls["pld"] == 1 else kept_round)(1)
+            result.total_s = {1: 0.3, 2: 0.1, 3: 0.2}.get(calls["pld"], result.total_s)
+        return result
+
+    _bench(_config(tmp_path, methods="pld", topics=["alpha"], limit=1, out=tmp_path / "warm"))  # a warm cache
+    monkeypatch.setattr(bench_runner, "decode", compiling)
+    _bench(_config(tmp_path, methods="pld", topics=["alpha"], limit=1, repeats=3))
+    rows = ResultsFile(tmp_path / "out").load()
+    pld = next(row for row in rows if row["method"] == "pld")
+    assert pld["round_kept"] == 2 and pld["compiles"] == 1
+    assert [name.rsplit(".", 1)[-1] for name in pld["compiled"]] == ["kept_round"]
+    assert all(row["compiles"] == 0 for row in rows if row is not pld)

@@ -360,25 +360,28 @@ class Bench:
         cache = self.target.prefix_cache
         cache_before = cache.copy() if repeats > 1 and cache is not None else None
         rounds: list[dict[str, GenerationResult]] = []
-        extra: dict[str, dict] = {}
+        learned: dict[str, dict] = {}  # what the carried stream's (first) round taught its calibrator
+        compiled: list[dict[str, dict]] = []  # per round: numba compiles inside each timed decode
         order = rotation(self.labels, self.config.seed, unit.key)
         for round_index in range(repeats):
             stamp = "" if repeats == 1 else f" ({round_index + 1}/{repeats})"
             round_order = order if round_index == 0 else \
                 rotation(self.labels, self.config.seed, f"{unit.key}#round{round_index}")
-            results = {}
+            results, compiles = {}, {}
             for label in round_order:
                 advance(f"{unit.topic} {unit.key} [bold]{label}[/]{stamp}", 0)
                 stream = streams[label] if round_index == 0 else copy.deepcopy(starts[label])
                 if round_index and cache_before is not None:
                     self.target.prefix_cache = cache_before.copy()
-                results[label], extra_fields = self._decode(label, stream, inputs, unit.key)
+                before = calibration.snapshot(stream)
+                results[label], compiles[label] = self._decode(label, stream, inputs, unit.key)
                 if round_index == 0:
-                    extra[label] = extra_fields
+                    learned[label] = calibration.unit_fields(stream, before)  # untimed
                 advance(f"{unit.topic} {unit.key} [bold]{label}[/]{stamp}")
             if round_index == 0:
                 cache_after = self.target.prefix_cache
             rounds.append(results)
+            compiled.append(compiles)
         if repeats > 1 and cache_before is not None:
             self.target.prefix_cache = cache_after  # as a single round would have left it
         reference = rounds[0][REFERENCE].tokens
@@ -394,15 +397,14 @@ class Bench:
                     row["identical"], row["first_difference"] = False, difference
             if repeats > 1:
                 row["round_times_s"], row["round_kept"] = times, chosen
-            new_rows.append({**row, **extra[label]})
+            new_rows.append({**row, **learned[label], **compiled[chosen][label]})
         new_rows[0]["text"] = self.target.tokenizer.decode(reference, skip_special_tokens=True).strip()
         return new_rows
 
     def _decode(self, label: str, stream, inputs, unit_key: str) -> tuple[GenerationResult, dict]:
-        """One timed decode of a unit by ``label``'s ``stream``, and the untimed row fields it adds
-        (calibration, compiles)."""
+        """One timed decode of a unit by ``label``'s ``stream``, and the numba compiles inside it
+        (row fields, `recap.bench.compiles`)."""
         gc.collect()  # untimed: keep collector pauses out of the timed decode
-        before = calibration.snapshot(stream)
         # each method reuses only its own earlier prompts' prefixes (as its own server would):
         # a later method must not get the unit's prefill for free from an earlier one
         self.target.prefix_scope = label
@@ -410,7 +412,7 @@ class Bench:
         with self._kernels_for(spec), CompileWatch() as compiles:
             result = decode(self.target, stream, inputs, max_new_tokens=self.config.max_new_tokens,
                             sampling=self.config.sampling(unit_key))
-        return result, {**calibration.unit_fields(stream, before), **compiles.fields()}
+        return result, compiles.fields()
 
 
 def run_record(out: Path) -> dict:
