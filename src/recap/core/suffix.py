@@ -17,7 +17,7 @@ import numpy as np
 from numba import njit
 
 
-@njit(cache=True)
+@njit("void(int64[::1], int64[::1], int64[::1])", cache=True)  # compiled at import: never inside a timed step
 def _sum_up_links(order: np.ndarray, link: np.ndarray, counts: np.ndarray) -> None:
     """Add every state's count to its suffix link's, longest states first: a state's strings
     occur wherever a longer string linked to it ends."""
