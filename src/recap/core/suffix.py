@@ -124,7 +124,10 @@ class SuffixAutomaton:
     def frequent_path(self, state: int, max_tokens: int, stop: int | None = None) -> list[int]:
         """Up to ``max_tokens`` tokens after ``state``'s strings, each the one that most often
         followed what is matched so far (ties: the one that occurred first, as `after`); ends
-        before ``stop``. Where every continuation occurred once this is `after`'s."""
+        before ``stop``. Where every continuation occurred once this is `after`'s. Bounded
+        whatever the text: the transitions scanned along one path number at most the text's
+        length plus the path's, since every branch not taken holds occurrences that the next
+        state has lost (a hostile store cannot make a step slow)."""
         if state <= 0 or max_tokens <= 0:
             return []
         counts = self.occurrences()
